@@ -1,0 +1,57 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_omni_speechlm.config import bagpiper_layout
+from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave, interleave, num_complete_frames
+
+shapes = st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 10))  # batch, T, S
+
+
+def _codes(batch: int, frames: int, streams: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (frames, streams) if batch == 0 else (batch, frames, streams)
+    return torch.randint(1, 1000, shape, generator=g)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes, st.integers(0, 2**31))
+def test_round_trip_any_shape(shape, seed):
+    aligned = _codes(*shape, seed)
+    rows = interleave(aligned, pad=-7)
+    assert rows.shape[-2:] == (shape[1] + shape[2] - 1, shape[2])
+    assert torch.equal(deinterleave(rows), aligned)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes, st.integers(0, 2**31))
+def test_padding_placement_and_delay(shape, seed):
+    _, frames, streams = shape
+    aligned = _codes(0, frames, streams, seed)
+    pad = torch.arange(streams) * -1 - 1  # a distinct pad per stream
+    rows = interleave(aligned, pad)
+    for s in range(streams):
+        assert torch.equal(rows[s : s + frames, s], aligned[:, s])  # stream s delayed by s rows
+        assert (rows[:s, s] == pad[s]).all() and (rows[s + frames :, s] == pad[s]).all()
+
+
+def test_needs_enough_rows():
+    with pytest.raises(ValueError, match="rows"):
+        deinterleave(torch.zeros(6, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="T >= 1"):
+        interleave(torch.zeros(0, 8, dtype=torch.long), 0)
+    assert [num_complete_frames(n, 8) for n in (0, 7, 8, 20)] == [0, 0, 1, 13]
+
+
+def test_codebook_map_round_trip_and_pad_clamp():
+    cfg = bagpiper_layout()
+    cmap = CodebookMap(cfg)
+    codes = torch.randint(0, 1024, (5, 8))
+    tokens = cmap.to_tokens(codes)
+    assert torch.equal(tokens[:, 2] - codes[:, 2], torch.full((5,), 152192 + 2 * 1025 + 1))
+    assert torch.equal(cmap.to_codes(tokens), codes)
+    pads = torch.tensor([s.pad_id for s in cfg.streams])
+    assert (cmap.to_codes(pads) == 0).all()  # the pad slot decodes as code 0
+    with pytest.raises(ValueError, match="codebook"):
+        cmap.to_tokens(codes + 1024)

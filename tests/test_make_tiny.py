@@ -1,0 +1,89 @@
+"""`speechlm-make-tiny`: complete, deterministic, loadable by the stack, no hub access."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.tokenizer import SPECIAL_TOKEN_TEXT, encode_prompt
+
+
+def _digest(directory: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _cli(out, seed: int) -> None:
+    cli = os.path.join(os.path.dirname(sys.executable), "speechlm-make-tiny")
+    args = [cli, "--family", "bagpiper", "--out", str(out), "--seed", str(seed)]
+    subprocess.run(args, check=True, capture_output=True, timeout=120)
+
+
+def test_cli_is_deterministic_per_seed(tmp_path, tiny_bagpiper):
+    _cli(tmp_path / "a", 0)
+    _cli(tmp_path / "b", 1)
+    same, other = _digest(tmp_path / "a"), _digest(tmp_path / "b")
+    assert same == _digest(tiny_bagpiper)  # the fixture used make_tiny(seed=0) in-process
+    assert set(same) == {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "codec/config.json", "codec/model.safetensors",
+    }
+    assert same["model.safetensors"] != other["model.safetensors"]
+    assert same["codec/model.safetensors"] != other["codec/model.safetensors"]
+    assert same["tokenizer.json"] == other["tokenizer.json"]
+
+
+def test_unknown_family_is_rejected(tmp_path):
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    with pytest.raises(ValueError, match="family"):
+        make_tiny("musicgen", tmp_path)
+
+
+def test_weights_match_the_config(tiny_bagpiper):
+    with open(os.path.join(tiny_bagpiper, "config.json")) as f:
+        raw = json.load(f)
+    cfg = SpeechLMConfig.from_model_dir(tiny_bagpiper)
+    assert raw["head_dim"] >= 32  # vLLM's CPU attention needs head_dim >= 32
+    with safe_open(os.path.join(tiny_bagpiper, "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        stream_emb = f.get_tensor("stream_embeddings.weight")
+    h = raw["hidden_size"]
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (cfg.vocab_size, h)
+    assert shapes["stream_embeddings.weight"] == (cfg.num_streams, h)
+    assert (stream_emb[0] == 0).all() and (stream_emb[1:] != 0).any()  # Bagpiper: e_0 = 0
+    q = raw["num_attention_heads"] * raw["head_dim"]
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (q, h)
+    assert len([k for k in shapes if k.startswith("model.layers.")]) == 11 * raw["num_hidden_layers"]
+
+
+def test_stack_loads_config_and_tokenizer(tiny_bagpiper):
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf = AutoConfig.from_pretrained(tiny_bagpiper)
+    cfg = SpeechLMConfig.from_hf_config(hf)  # the section survives transformers' config class
+    assert hf.model_type == "qwen3" and hf.architectures == ["BagpiperForCausalLM"]
+    tok = AutoTokenizer.from_pretrained(tiny_bagpiper)
+    assert len(tok) == cfg.vocab_size
+    for name, token_id in cfg.specials.items():
+        assert tok.convert_tokens_to_ids(SPECIAL_TOKEN_TEXT[name]) == token_id
+    s1 = cfg.streams[1]
+    assert tok.convert_ids_to_tokens([s1.pad_id, s1.code_offset + 5]) == ["<|s1_pad|>", "<|s1_5|>"]
+    ids = encode_prompt(tok, cfg, "hello there", system="Be brief.")
+    lo, hi = cfg.text_range
+    text = [i for i in ids if lo <= i < hi]
+    assert tok.decode(text) == "Be brief.hello there"
+    assert tok.decode(ids, skip_special_tokens=True) == "Be brief.hello there"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert list(getattr(templated, "input_ids", templated)) == ids

@@ -1,0 +1,250 @@
+"""The `speechlm` section of a checkpoint's config.json: vocabulary layout, streams, specials,
+per-modality sampling defaults and codec settings.
+
+A delay-pattern speech LM reads and writes one unified vocabulary:
+
+    [special_range) specials | [text_range) text | [codec_start, codec_end) codec streams 0..S-1
+
+Stream s owns the contiguous slice `streams[s]` of the codec range. Families differ in data only
+(this file), never in code paths: Bagpiper gives every stream its own pad slot (slot 0 of the
+slice), OpusLM pads every stream with the special pad token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEECHLM_KEY = "speechlm"
+
+
+def _fail(name: str, message: str) -> ValueError:
+    return ValueError(f"speechlm config: {name}: {message}")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One codec stream's slice of the unified vocabulary."""
+
+    index: int
+    vocab_start: int  # first id of the slice (the pad slot when the family has one)
+    vocab_size: int  # slice width: what the stream samples from
+    code_offset: int  # id of codebook index 0
+    codebook_size: int
+    pad_id: int  # the stream's delay-pattern pad token
+
+    @property
+    def vocab_end(self) -> int:
+        return self.vocab_start + self.vocab_size
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """Special token ids (all inside `special_range`)."""
+
+    pad: int
+    bos: int
+    eos: int
+    eot: int
+    system: int
+    user: int
+    assistant: int
+    text: int  # the <|text|> modality marker
+    audio: int  # the <|audio|> modality marker, also the audio-input placeholder
+
+    def items(self) -> list[tuple[str, int]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+
+@dataclass(frozen=True)
+class ModalitySampling:
+    """Sampling defaults of one output modality (0 temperature means greedy)."""
+
+    temperature: float
+    top_k: int  # <= 0: no top-k
+
+    def validate(self, name: str) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise _fail(f"{name}.temperature", f"must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise _fail(f"{name}.top_k", f"must be an integer, got {self.top_k!r}")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """The waveform codec that decodes the last `num_quantizers` streams."""
+
+    type: str = "xcodec"
+    path: str = "codec"  # checkpoint sub-directory, relative to the model directory
+    sample_rate: int = 16000
+    hop_length: int = 320
+    num_quantizers: int = 8
+    codebook_size: int = 1024
+
+    @property
+    def frame_rate(self) -> float:
+        return self.sample_rate / self.hop_length
+
+
+@dataclass(frozen=True)
+class SpeechLMConfig:
+    """Validated layout of a delay-pattern speech LM. Build with `from_dict` / `from_model_dir`."""
+
+    family: str
+    vocab_size: int
+    special_range: tuple[int, int]
+    text_range: tuple[int, int]
+    codec_start: int
+    stream_sizes: tuple[int, ...]  # slice width of each stream, in stream order
+    stream_pad_slot: bool  # True: slot 0 of each slice is that stream's pad (Bagpiper)
+    specials: SpecialIds
+    text_sampling: ModalitySampling = ModalitySampling(0.6, 20)
+    audio_sampling: ModalitySampling = ModalitySampling(0.8, 20)
+    # The stream embedding is added to stream 0 too (OpusLM's per-stream head bias).
+    primary_stream_embedding: bool = False
+    codec: CodecSpec = field(default_factory=CodecSpec)
+
+    # ---- derived layout -------------------------------------------------------------------
+    @property
+    def num_streams(self) -> int:
+        return len(self.stream_sizes)
+
+    @property
+    def codec_end(self) -> int:
+        return self.codec_start + sum(self.stream_sizes)
+
+    @property
+    def streams(self) -> tuple[StreamSpec, ...]:
+        specs, start = [], self.codec_start
+        shift = 1 if self.stream_pad_slot else 0
+        for s, size in enumerate(self.stream_sizes):
+            pad = start if self.stream_pad_slot else self.specials.pad
+            specs.append(StreamSpec(s, start, size, start + shift, size - shift, pad))
+            start += size
+        return tuple(specs)
+
+    @property
+    def aux_stream_width(self) -> int:
+        """Width shared by streams 1..S-1 (sampled together in one batched projection)."""
+        return self.stream_sizes[1] if self.num_streams > 1 else 0
+
+    # ---- validation -----------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self._validate_ranges()
+        self._validate_streams()
+        self._validate_specials()
+        self.text_sampling.validate("text_sampling")
+        self.audio_sampling.validate("audio_sampling")
+        self._validate_codec()
+
+    def _validate_ranges(self) -> None:
+        if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+            raise _fail("vocab_size", f"must be a positive integer, got {self.vocab_size!r}")
+        named = {
+            "special_range": self.special_range,
+            "text_range": self.text_range,
+            "codec range (codec_start + sum(stream_sizes))": (self.codec_start, self.codec_end),
+        }
+        for name, (lo, hi) in named.items():
+            if not 0 <= lo < hi <= self.vocab_size:
+                raise _fail(name, f"[{lo}, {hi}) must be non-empty and inside [0, {self.vocab_size})")
+        ordered = sorted(named.items(), key=lambda kv: kv[1][0])
+        for (name_a, (_, hi_a)), (name_b, (lo_b, _)) in zip(ordered, ordered[1:]):
+            if lo_b < hi_a:
+                raise _fail(name_b, f"overlaps {name_a}")
+
+    def _validate_streams(self) -> None:
+        if len(self.stream_sizes) < 1:
+            raise _fail("stream_sizes", "needs at least one stream")
+        min_size = 2 if self.stream_pad_slot else 1
+        if any(not isinstance(n, int) or n < min_size for n in self.stream_sizes):
+            raise _fail("stream_sizes", f"each stream needs >= {min_size} ids, got {self.stream_sizes}")
+        if len(set(self.stream_sizes[1:])) > 1:
+            raise _fail("stream_sizes", f"streams 1..S-1 must share one width, got {self.stream_sizes}")
+
+    def _validate_specials(self) -> None:
+        lo, hi = self.special_range
+        for name, tok in self.specials.items():
+            if not isinstance(tok, int) or not lo <= tok < hi:
+                raise _fail(f"specials.{name}", f"{tok!r} is outside special_range [{lo}, {hi})")
+
+    def _validate_codec(self) -> None:
+        c = self.codec
+        if c.num_quantizers < 1 or c.num_quantizers > self.num_streams:
+            raise _fail("codec.num_quantizers", f"must be in [1, {self.num_streams}] (num streams), got {c.num_quantizers}")
+        for s in self.streams[-c.num_quantizers :]:
+            if s.codebook_size != c.codebook_size:
+                raise _fail("codec.codebook_size", f"{c.codebook_size} != stream {s.index}'s codebook {s.codebook_size}")
+        if c.sample_rate <= 0 or c.hop_length <= 0:
+            raise _fail("codec.sample_rate", "sample_rate and hop_length must be positive")
+
+    # ---- (de)serialisation ----------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], vocab_size: int | None = None) -> SpeechLMConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise _fail(sorted(unknown)[0], "unknown field")
+        if vocab_size is not None and d.get("vocab_size", vocab_size) != vocab_size:
+            raise _fail("vocab_size", f"{d['vocab_size']} differs from the model's vocab_size {vocab_size}")
+        kw = dict(d)
+        kw.setdefault("vocab_size", vocab_size)
+        for key in ("special_range", "text_range", "stream_sizes"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        nested = {"specials": SpecialIds, "codec": CodecSpec}
+        nested |= {"text_sampling": ModalitySampling, "audio_sampling": ModalitySampling}
+        try:
+            for key, kind in nested.items():
+                if key in kw:
+                    kw[key] = kind(**kw[key])
+            return cls(**kw)
+        except TypeError as e:  # a missing or unknown nested field
+            raise ValueError(f"speechlm config: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in ("special_range", "text_range", "stream_sizes"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> SpeechLMConfig:
+        """From a transformers config object (vLLM's `hf_config`) carrying the `speechlm` dict."""
+        section = getattr(hf_config, SPEECHLM_KEY, None)
+        if not isinstance(section, dict):
+            raise ValueError(f"config.json has no '{SPEECHLM_KEY}' section: not a speech LM checkpoint")
+        return cls.from_dict(section, vocab_size=hf_config.vocab_size)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> SpeechLMConfig:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        if SPEECHLM_KEY not in raw:
+            raise ValueError(f"{model_dir}/config.json has no '{SPEECHLM_KEY}' section")
+        return cls.from_dict(raw[SPEECHLM_KEY], vocab_size=raw.get("vocab_size"))
+
+
+def bagpiper_layout(text_vocab_size: int = 151936) -> SpeechLMConfig:
+    """Bagpiper's layout: 256 specials, Qwen3 text ids + 256, then 8 streams x (pad + 1024 codes).
+
+    The released model has `text_vocab_size` 151936 (vocab 160392); tiny checkpoints shrink only
+    the text range so the codec side stays the real one.
+    """
+    text_end = 256 + text_vocab_size
+    stream_sizes = (1025,) * 8
+    return SpeechLMConfig(
+        family="bagpiper",
+        vocab_size=text_end + sum(stream_sizes),
+        special_range=(0, 256),
+        text_range=(256, text_end),
+        codec_start=text_end,
+        stream_sizes=stream_sizes,
+        stream_pad_slot=True,
+        specials=SpecialIds(pad=0, bos=1, eos=2, eot=3, system=4, user=5, assistant=6, text=7, audio=8),
+    )

@@ -1,0 +1,216 @@
+"""Per-step decoding rules shared by the reference and the vLLM stage: phases, row kinds, masks,
+per-modality sampling and the random-number contract.
+
+Everything here is batched over rows (one row = one request's sampled position) and stays on the
+device: no host syncs, no branching on tensor values.
+
+Phase machine (one int per request, advanced by the sampled stream-0 token):
+
+    START --<|text|>--> TEXT --<|eot|>--> TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
+      |                                                                             |
+      +--<|audio|>--> AUDIO <--------------------- <|audio|> -----------------------+
+    any --<|eos|>--> DONE
+
+The row kind (which mask and which modality's sampling a row gets) depends on the phase and the
+request's output mode. In AUTO mode free rows follow the released rule, read from the argmax of
+the raw stream-0 logits: a modality marker -> CHOOSE row, a codec token -> AUDIO row, else TEXT.
+The forced modes (TEXT only, AUDIO only, TEXT_AUDIO) decide by phase, so even a random model
+walks through every phase.
+
+Random-number contract (what the engine path reproduces exactly):
+  * stream 0 is sampled by vLLM's sampler from the logits `process_primary_logits` returns:
+    `x / T_engine` -> softmax(float32) -> `argmax(p / q)`, q ~ Exp(1) over the row, drawn from a
+    torch.Generator seeded with the request's seed (greedy when T_engine == 0).
+  * streams 1..S-1 are sampled by `sample_aux_streams` at every sampled position (whatever the
+    row kind, so the draw count never depends on tensor values): q ~ Exp(1) of shape [S-1, W]
+    from a second generator seeded with `aux_seed(seed)`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+
+if TYPE_CHECKING:
+    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+NEG_INF = float("-inf")
+
+
+class Phase(enum.IntEnum):
+    START = 0
+    TEXT = 1
+    TRANSITION = 2  # after <|eot|>: <|assistant|> is forced next
+    AFTER_ASSISTANT = 3
+    AUDIO = 4
+    DONE = 5
+
+
+class OutputMode(enum.IntEnum):
+    AUTO = 0  # the model chooses (released behaviour)
+    TEXT = 1  # text only: the modality choice may only pick <|text|>; eos and eot stop
+    AUDIO = 2  # audio only: <|audio|> forced first
+    TEXT_AUDIO = 3  # a text answer, then its audio
+
+    @classmethod
+    def parse(cls, value: "str | OutputMode") -> "OutputMode":
+        if isinstance(value, OutputMode):
+            return value
+        names = {"auto": cls.AUTO, "text": cls.TEXT, "audio": cls.AUDIO, "text+audio": cls.TEXT_AUDIO}
+        if value not in names:
+            raise ValueError(f"modality: expected one of {sorted(names)}, got {value!r}")
+        return names[value]
+
+
+class RowKind(enum.IntEnum):
+    TEXT = 0  # text, <|eot|> or <|eos|>
+    TEXT_NO_EOS = 1  # text or <|eot|> (TEXT_AUDIO mode must reach the audio)
+    CHOOSE = 2  # a modality marker
+    AUDIO = 3  # stream 0 codes or <|eos|>; streams 1..S-1 sampled
+    FORCE_TEXT = 4
+    FORCE_AUDIO = 5
+    FORCE_ASSISTANT = 6
+    FORCE_EOT = 7  # the text budget (`max_text_tokens`) is spent
+
+
+def aux_seed(seed: int) -> int:
+    """Seed of the auxiliary-stream generator: decorrelated from the stream-0 generator."""
+    return (seed * 0x9E3779B1 + 0x5EED) % (2**63 - 1)
+
+
+class DecodingRules:
+    """Device tables for one checkpoint layout; every method is batched over rows."""
+
+    def __init__(self, cfg: SpeechLMConfig, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        sp, v = cfg.specials, cfg.vocab_size
+        allowed = torch.zeros(len(RowKind), v, dtype=torch.bool)
+        allowed[RowKind.TEXT, slice(*cfg.text_range)] = True
+        allowed[RowKind.TEXT, [sp.eot, sp.eos]] = True
+        allowed[RowKind.TEXT_NO_EOS] = allowed[RowKind.TEXT]
+        allowed[RowKind.TEXT_NO_EOS, sp.eos] = False
+        allowed[RowKind.CHOOSE, [sp.text, sp.audio]] = True
+        s0 = cfg.streams[0]
+        allowed[RowKind.AUDIO, s0.vocab_start : s0.vocab_end] = True
+        allowed[RowKind.AUDIO, sp.eos] = True
+        allowed[RowKind.FORCE_TEXT, sp.text] = True
+        allowed[RowKind.FORCE_AUDIO, sp.audio] = True
+        allowed[RowKind.FORCE_ASSISTANT, sp.assistant] = True
+        allowed[RowKind.FORCE_EOT, sp.eot] = True
+        # Additive masks: 0 where allowed, -inf elsewhere.
+        self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
+        self._tables(device)
+
+    def _tables(self, device) -> None:
+        # kind_by_phase[mode, phase]; -1 marks "read the modality from the logits" (AUTO).
+        P, M, K = Phase, OutputMode, RowKind
+        table = torch.full((len(M), len(P)), int(K.TEXT), dtype=torch.long)
+        table[M.AUTO, [P.START, P.AFTER_ASSISTANT]] = K.CHOOSE
+        table[M.AUTO, [P.TEXT, P.AUDIO]] = -1
+        table[M.TEXT, P.START] = K.FORCE_TEXT
+        table[M.AUDIO, [P.START, P.AFTER_ASSISTANT]] = K.FORCE_AUDIO
+        table[M.AUDIO, P.AUDIO] = K.AUDIO
+        table[M.TEXT_AUDIO, P.START] = K.FORCE_TEXT
+        table[M.TEXT_AUDIO, P.TEXT] = K.TEXT_NO_EOS
+        table[M.TEXT_AUDIO, P.AFTER_ASSISTANT] = K.FORCE_AUDIO
+        table[M.TEXT_AUDIO, P.AUDIO] = K.AUDIO
+        table[:, P.TRANSITION] = K.FORCE_ASSISTANT
+        self.kind_by_phase = table.to(device)
+        # Modality read from a raw argmax (AUTO free rows).
+        cfg, sp = self.cfg, self.cfg.specials
+        by_token = torch.full((cfg.vocab_size,), int(K.TEXT), dtype=torch.long)
+        by_token[cfg.codec_start : cfg.codec_end] = K.AUDIO
+        by_token[[sp.text, sp.audio]] = K.CHOOSE
+        self.kind_by_argmax = by_token.to(device)
+        # Next phase by sampled token; -1 keeps the current phase.
+        nxt = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+        nxt[slice(*cfg.text_range)] = P.TEXT
+        nxt[cfg.codec_start : cfg.codec_end] = P.AUDIO
+        nxt[sp.text], nxt[sp.audio] = P.TEXT, P.AUDIO
+        nxt[sp.eot], nxt[sp.assistant], nxt[sp.eos] = P.TRANSITION, P.AFTER_ASSISTANT, P.DONE
+        self.phase_by_token = nxt.to(device)
+
+    # ---- phases ---------------------------------------------------------------------------
+    def row_kinds(
+        self, phase: torch.Tensor, mode: torch.Tensor, raw_logits: torch.Tensor, generated: torch.Tensor, p: "RowSampling"
+    ) -> torch.Tensor:
+        """[N] phase, [N] mode, [N, V] raw stream-0 logits, [N] tokens generated so far -> [N] RowKind.
+        Text may fill the answer up to output index `max_text_tokens`; then <|eot|> is forced."""
+        kind = self.kind_by_phase[mode, phase]
+        from_logits = self.kind_by_argmax[raw_logits.argmax(dim=-1)]
+        kind = torch.where(kind < 0, from_logits, kind)
+        over_budget = (phase == Phase.TEXT) & (generated > p.max_text_tokens)
+        return torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
+
+    def advance(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """[N] phase, [N] sampled stream-0 token -> [N] next phase."""
+        nxt = self.phase_by_token[token]
+        return torch.where(nxt < 0, phase, nxt)
+
+    def replay(self, tokens: list[int]) -> Phase:
+        """Phase after a token history (e.g. a preempted request's outputs)."""
+        phase = torch.tensor([int(Phase.START)])
+        for tok in tokens:
+            phase = self.advance(phase, torch.tensor([tok]))
+        return Phase(int(phase))
+
+    # ---- sampling ------------------------------------------------------------------------
+    def process_primary_logits(self, raw: torch.Tensor, kind: torch.Tensor, p: "RowSampling") -> torch.Tensor:
+        """[N, V] (CFG-merged) stream-0 logits -> what vLLM's sampler gets: masked, per-modality
+        top-k, and text rows rescaled by T_engine / T_text because the engine divides every row
+        of a request by one temperature (T_engine)."""
+        logits = raw.float() + self.mask_bias[kind]
+        is_audio = kind == RowKind.AUDIO
+        top_k = torch.where(is_audio, p.audio_top_k, p.text_top_k)
+        logits = apply_top_k(logits, top_k, p.max_top_k)
+        scale = torch.where(is_audio, p.audio_scale, p.text_scale)
+        return logits * scale[:, None]
+
+    def sample_aux_streams(
+        self, logits: torch.Tensor, p: "RowSampling", noise: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, S-1, W] aux logits (CFG-merged), [N, S-1, W] Exp(1) noise -> [N, S-1] slot ids."""
+        n, s, w = logits.shape
+        flat = apply_top_k(logits.float().reshape(n * s, w), p.audio_top_k.repeat_interleave(s), p.max_top_k)
+        probs = (flat.reshape(n, s, w) / p.audio_divisor[:, None, None]).softmax(dim=-1)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's `top_k[i]` largest logits (ties at the k-th value kept); k <= 0 keeps all.
+    `max_top_k` is a host int (max over the batch's requests), so the shape never depends on
+    tensor values."""
+    if max_top_k <= 0:
+        return logits
+    k = min(max_top_k, logits.shape[-1])
+    top = logits.topk(k, dim=-1).values
+    kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
+    kth = torch.where(top_k[:, None] > 0, kth, NEG_INF)
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling tensors ([N] each) derived from the requests' `SpeechSamplingParams`."""
+
+    text_top_k: torch.Tensor  # effective k (1 when the modality is greedy)
+    audio_top_k: torch.Tensor
+    text_scale: torch.Tensor  # T_engine / T_text (1 when greedy)
+    audio_scale: torch.Tensor
+    audio_divisor: torch.Tensor  # temperature the aux streams divide by (1 when greedy)
+    max_text_tokens: torch.Tensor
+    max_top_k: int
+
+    @classmethod
+    def from_params(cls, params: list["SpeechSamplingParams"], device) -> "RowSampling":
+        cols = [p.row_values() for p in params]
+        ints = torch.tensor([(c[0], c[1], c[5]) for c in cols], dtype=torch.long, device=device).reshape(-1, 3)
+        floats = torch.tensor([c[2:5] for c in cols], dtype=torch.float32, device=device).reshape(-1, 3)
+        max_k = max(max(c[0], c[1]) for c in cols)
+        return cls(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_k)
+

@@ -1,0 +1,69 @@
+"""MusicGen delay pattern: S parallel codec streams, stream s shifted right by s frames.
+
+A clip of T frames, `aligned[T, S]`, becomes `interleaved[T + S - 1, S]` with
+`interleaved[t + s, s] = aligned[t, s]`; the first s rows and the last S-1-s rows of stream s are
+padding. All functions take any number of leading batch dimensions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+
+
+def _delay_index(num_frames: int, num_streams: int, device: torch.device) -> torch.Tensor:
+    """[T, S] row index into the interleaved matrix: t + s."""
+    t = torch.arange(num_frames, device=device)[:, None]
+    s = torch.arange(num_streams, device=device)[None, :]
+    return t + s
+
+
+def interleave(aligned: torch.Tensor, pad: torch.Tensor | int) -> torch.Tensor:
+    """[..., T, S] -> [..., T + S - 1, S]; `pad` is a scalar or a per-stream [S] tensor."""
+    *batch, num_frames, num_streams = aligned.shape
+    if num_frames < 1 or num_streams < 1:
+        raise ValueError(f"interleave needs T >= 1 and S >= 1, got shape {tuple(aligned.shape)}")
+    pad = torch.as_tensor(pad, dtype=aligned.dtype, device=aligned.device)
+    out = pad.expand(*batch, num_frames + num_streams - 1, num_streams).clone()
+    index = _delay_index(num_frames, num_streams, aligned.device).expand_as(aligned)
+    return out.scatter_(-2, index, aligned)
+
+
+def deinterleave(interleaved: torch.Tensor) -> torch.Tensor:
+    """[..., T + S - 1, S] -> [..., T, S]: `aligned[:, s] = interleaved[s : s + T, s]`."""
+    *batch, num_rows, num_streams = interleaved.shape
+    num_frames = num_rows - num_streams + 1
+    if num_streams < 1 or num_frames < 1:
+        raise ValueError(f"deinterleave needs >= S rows, got shape {tuple(interleaved.shape)}")
+    index = _delay_index(num_frames, num_streams, interleaved.device)
+    return interleaved.gather(-2, index.expand(*batch, num_frames, num_streams))
+
+
+def num_complete_frames(num_rows: int, num_streams: int) -> int:
+    """Frames whose S streams have all been emitted after `num_rows` interleaved rows."""
+    return max(0, num_rows - num_streams + 1)
+
+
+class CodebookMap:
+    """Unified token ids <-> per-stream codebook indices, for a [..., S] tensor of streams.
+
+    Token -> code is clamped to [0, codebook_size) so that pad slots decode as code 0, the way
+    the released decoders treat them.
+    """
+
+    def __init__(self, cfg: SpeechLMConfig, device: torch.device | str = "cpu"):
+        specs = cfg.streams
+        self.offsets = torch.tensor([s.code_offset for s in specs], device=device)
+        self.sizes = torch.tensor([s.codebook_size for s in specs], device=device)
+        self.pads = torch.tensor([s.pad_id for s in specs], device=device)
+
+    def to_codes(self, tokens: torch.Tensor) -> torch.Tensor:
+        codes = tokens - self.offsets.to(tokens.device)
+        return torch.minimum(codes.clamp_min(0), self.sizes.to(tokens.device) - 1)
+
+    def to_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        sizes = self.sizes.to(codes.device)
+        if bool(((codes < 0) | (codes >= sizes)).any()):
+            raise ValueError("codes outside [0, codebook_size) of their stream")
+        return codes + self.offsets.to(codes.device)

@@ -1,0 +1,139 @@
+"""`speechlm-make-tiny`: write a complete tiny random checkpoint of a model family.
+
+    speechlm-make-tiny --family bagpiper --out DIR [--seed N]
+
+The directory is what a real converted checkpoint looks like: `config.json` (backbone fields +
+the `speechlm` section), `model.safetensors` (Hugging Face parameter names plus
+`stream_embeddings.weight`), a tokenizer over the unified vocabulary, and `codec/` (an
+X-Codec-architecture decoder). Same seed, same bytes. Geometry: head_dim 32 (vLLM's CPU
+attention needs >= 32), 2 layers, so engine start dominates test time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_omni_speechlm.codec.xcodec import write_tiny_xcodec
+from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout
+from vllm_omni_speechlm.tokenizer import build_tokenizer, train_text_bpe, write_hf_tokenizer
+
+
+@dataclass(frozen=True)
+class BackboneGeometry:
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+
+
+TINY_TEXT_VOCAB = 400  # byte-level BPE: 256 bytes + merges
+FAMILIES = {"bagpiper": ("qwen3", "BagpiperForCausalLM")}
+
+
+def backbone_config(layout: SpeechLMConfig, geo: BackboneGeometry, model_type: str, arch: str) -> dict:
+    """config.json: the backbone's Hugging Face fields plus the speechlm section."""
+    sp = layout.specials
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": layout.vocab_size,
+        "hidden_size": geo.hidden_size,
+        "intermediate_size": geo.intermediate_size,
+        "num_hidden_layers": geo.num_hidden_layers,
+        "num_attention_heads": geo.num_attention_heads,
+        "num_key_value_heads": geo.num_key_value_heads,
+        "head_dim": geo.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": geo.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": geo.rope_theta},
+        "max_position_embeddings": geo.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "bos_token_id": sp.bos,
+        "eos_token_id": sp.eos,
+        "pad_token_id": sp.pad,
+        SPEECHLM_KEY: layout.to_dict(),
+    }
+
+
+def random_weights(layout: SpeechLMConfig, geo: BackboneGeometry, seed: int) -> dict[str, torch.Tensor]:
+    """Random Qwen3-layout weights. Larger-than-usual scales keep logits peaked, so argmax
+    decisions are far from ties and float32 engines agree with the reference."""
+    g = torch.Generator().manual_seed(seed)
+    h, kv = geo.hidden_size, geo.num_key_value_heads * geo.head_dim
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n: int) -> torch.Tensor:  # not all ones: a norm weight that fails to load shows
+        return 1.0 + randn(n, std=0.1)
+
+    w = {"model.embed_tokens.weight": randn(layout.vocab_size, h, std=0.5)}
+    for i in range(geo.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = geo.num_attention_heads * geo.head_dim
+        w |= {
+            p + "input_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": randn(q, h, std=h**-0.5),
+            p + "self_attn.k_proj.weight": randn(kv, h, std=h**-0.5),
+            p + "self_attn.v_proj.weight": randn(kv, h, std=h**-0.5),
+            p + "self_attn.o_proj.weight": randn(h, q, std=q**-0.5),
+            p + "self_attn.q_norm.weight": norm(geo.head_dim),
+            p + "self_attn.k_norm.weight": norm(geo.head_dim),
+            p + "post_attention_layernorm.weight": norm(h),
+            p + "mlp.gate_proj.weight": randn(geo.intermediate_size, h, std=h**-0.5),
+            p + "mlp.up_proj.weight": randn(geo.intermediate_size, h, std=h**-0.5),
+            p + "mlp.down_proj.weight": randn(h, geo.intermediate_size, std=geo.intermediate_size**-0.5),
+        }
+    stream_emb = randn(layout.num_streams, h, std=0.5)
+    if not layout.primary_stream_embedding:
+        stream_emb[0] = 0.0  # Bagpiper's e_0 is zero
+    w |= {
+        "model.norm.weight": norm(h),
+        "lm_head.weight": randn(layout.vocab_size, h, std=0.5),
+        "stream_embeddings.weight": stream_emb,
+    }
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechLMConfig:
+    """Write the tiny checkpoint; returns its layout."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    model_type, arch = FAMILIES[family]
+    text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
+    layout = bagpiper_layout(text_vocab_size=len(text_vocab))
+    geo = BackboneGeometry()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(backbone_config(layout, geo, model_type, arch), f, indent=2, sort_keys=True)
+    save_file(random_weights(layout, geo, seed), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    write_hf_tokenizer(build_tokenizer(layout, text_vocab, merges), layout, out_dir)
+    write_tiny_xcodec(os.path.join(out_dir, layout.codec.path), seed=seed)
+    return layout
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="speechlm-make-tiny", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    layout = make_tiny(args.family, args.out, args.seed)
+    print(f"wrote tiny {args.family} checkpoint to {args.out} (vocab {layout.vocab_size}, {layout.num_streams} streams)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The oracle: sequential plain-PyTorch generation with the full delay-pattern semantics.
+
+No vLLM, no transformers. It loads the same checkpoint directory as the engine and decodes one
+request at a time: the phase machine, masks and sampling of `decoding.py`, stream-0 sampling the
+way vLLM's sampler does it (`engine_sample`), streams 1..S-1 sampled in the same step,
+stream-embedding input sums, CFG on a batch of two branches, de-interleave and codec decode.
+The random-number contract is documented in `decoding.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, aux_seed
+from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave
+from vllm_omni_speechlm.reference.backbone import BackboneConfig, Qwen3Backbone
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+
+SAMPLING_EPS = 1e-5  # vLLM's greedy threshold
+
+
+@dataclass
+class ReferenceOutput:
+    tokens: torch.Tensor  # [L, S] per step: stream 0, then streams 1..S-1 (0 on non-audio rows)
+    kinds: torch.Tensor  # [L] RowKind of each step
+    finish_reason: str  # "stop" or "length"
+    text: str | None
+    codes: torch.Tensor | None  # [T, Q] de-interleaved codebook indices of the codec streams
+    audio: torch.Tensor | None  # [T * hop_length] float waveform at the codec's sample rate
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens[:, 0].tolist()
+
+
+def engine_sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Stream-0 sampling op for op as vLLM 0.30's V1 sampler on CPU (`Sampler.forward` ->
+    `TopKTopPSampler.forward_cpu`): fp32 logits, greedy argmax below its epsilon, else an
+    in-place divide by a float32 temperature tensor, softmax, and `argmax(p / q)` with q ~ Exp(1)
+    drawn over the whole row from the request's generator. [N, V] -> [N]."""
+    logits = logits.to(torch.float32, copy=True)
+    if temperature < SAMPLING_EPS:
+        return logits.argmax(dim=-1)
+    temp = torch.full((logits.shape[0],), temperature, dtype=torch.float32, device=logits.device)
+    probs = logits.div_(temp.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=-1)
+
+
+class ReferenceSpeechLM:
+    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        self.cfg = cfg = SpeechLMConfig.from_model_dir(model_dir)
+        self.device, self.dtype = torch.device(device), dtype
+        self.backbone = Qwen3Backbone(BackboneConfig.from_json(raw))
+        weights = load_file(os.path.join(model_dir, "model.safetensors"))
+        self.lm_head = weights.pop("lm_head.weight").to(device, dtype)  # [V, H]
+        self.stream_emb = weights.pop("stream_embeddings.weight").to(device, dtype)  # [S, H]
+        self.backbone.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+        self.backbone.to(device, dtype).eval()
+        if not cfg.primary_stream_embedding:
+            self.stream_emb[0] = 0.0
+        aux = cfg.streams[1:]
+        # [S-1, W, H]: each aux stream projects onto its own slice of the vocabulary only.
+        self.aux_head = torch.stack([self.lm_head[s.vocab_start : s.vocab_end] for s in aux]) if aux else None
+        self.aux_start = torch.tensor([s.vocab_start for s in aux], device=device)
+        self.rules = DecodingRules(cfg, device)
+        self.codebooks = CodebookMap(cfg, device)
+        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.codec = XCodecDecoder.from_pretrained(os.path.join(model_dir, cfg.codec.path), device=device).eval()
+
+    # ---- one step -------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, L, S] stream tokens -> [B, L, H]: embed(stream 0) + sum of non-pad(0) streams."""
+        emb = self.backbone.embed_tokens(tokens)  # [B, L, S, H]
+        keep = torch.ones_like(tokens, dtype=emb.dtype)
+        keep[..., 1:] = (tokens[..., 1:] != self.cfg.specials.pad).to(emb.dtype)
+        return (emb * keep[..., None]).sum(dim=-2)
+
+    def heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H] -> raw stream-0 logits [B, V] and aux logits [B, S-1, W]."""
+        logits0 = (hidden + self.stream_emb[0]) @ self.lm_head.T
+        if self.aux_head is None:
+            return logits0, hidden.new_zeros(hidden.shape[0], 0, 0)
+        h_aux = hidden[:, None, :] + self.stream_emb[None, 1:, :]  # [B, S-1, H]
+        return logits0, torch.einsum("bsh,swh->bsw", h_aux, self.aux_head)
+
+    @staticmethod
+    def cfg_merge(logits: torch.Tensor, scale: float) -> torch.Tensor:
+        """[2, ...] (cond, uncond) -> [1, ...]: w * cond + (1 - w) * uncond."""
+        return scale * logits[:1] + (1.0 - scale) * logits[1:2]
+
+    # ---- generation -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SpeechSamplingParams) -> ReferenceOutput:
+        cfg, rules = self.cfg, self.rules
+        p = params.resolve(cfg)
+        rows = RowSampling.from_params([p], self.device)
+        g0 = g_aux = None
+        if p.seed is not None:
+            g0 = torch.Generator(self.device).manual_seed(p.seed)
+            g_aux = torch.Generator(self.device).manual_seed(aux_seed(p.seed))
+        mode = torch.tensor([int(p.modality)], device=self.device)
+        phase = torch.tensor([int(Phase.START)], device=self.device)
+
+        branches = [prompt_ids] + ([[cfg.specials.pad] * len(prompt_ids)] if p.use_cfg else [])
+        prompt = torch.zeros(len(branches), len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
+        prompt[..., 0] = torch.tensor(branches, device=self.device)
+        cache = self.backbone.new_cache()
+        hidden = self.backbone(self.embed(prompt), 0, cache)[:, -1]  # [B, H]
+
+        steps, kinds, finish = [], [], "length"
+        w = cfg.num_streams - 1
+        for step in range(p.max_tokens):
+            logits0, logits_aux = self.heads(hidden)
+            kind = rules.row_kinds(phase, mode, logits0[:1], torch.tensor([step], device=self.device), rows)
+            if p.use_cfg:  # guidance on audio rows only; modality is read from the cond branch
+                audio = kind == RowKind.AUDIO
+                logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
+                logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
+            tok0 = engine_sample(rules.process_primary_logits(logits0, kind, rows), p.engine_temperature, g0)
+            noise = torch.empty(1, w, cfg.aux_stream_width, device=self.device).exponential_(generator=g_aux)
+            aux = rules.sample_aux_streams(logits_aux, rows, noise) + self.aux_start
+            aux = torch.where(kind[:, None] == RowKind.AUDIO, aux, cfg.specials.pad)
+            token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S]
+            steps.append(token[0])
+            kinds.append(kind[0])
+            phase = rules.advance(phase, tok0)
+            if int(phase) == Phase.DONE or (p.modality == OutputMode.TEXT and int(tok0) == cfg.specials.eot):
+                finish = "stop"
+                break
+            embeds = self.embed(token.expand(len(branches), -1)[:, None, :])  # both branches get it
+            hidden = self.backbone(embeds, len(prompt_ids) + step, cache)[:, -1]
+        tokens, kinds_t = torch.stack(steps), torch.stack(kinds)
+        return self.finish(tokens, kinds_t, finish)
+
+    # ---- outputs --------------------------------------------------------------------------
+    def finish(self, tokens: torch.Tensor, kinds: torch.Tensor, reason: str) -> ReferenceOutput:
+        cfg = self.cfg
+        lo, hi = cfg.text_range
+        text_ids = tokens[:, 0][(tokens[:, 0] >= lo) & (tokens[:, 0] < hi)].tolist()
+        text = self.tokenizer.decode(text_ids) if text_ids else None
+        codes = self.audio_codes(tokens, kinds)
+        audio = self.decode_audio(codes) if codes is not None else None
+        return ReferenceOutput(tokens, kinds, reason, text, codes, audio)
+
+    def audio_codes(self, tokens: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor | None:
+        """The audio rows (stream 0 in the codec range) de-interleaved -> [T, Q] or None."""
+        is_code = (kinds == RowKind.AUDIO) & (tokens[:, 0] >= self.cfg.codec_start)
+        rows = tokens[is_code]
+        if rows.shape[0] < self.cfg.num_streams:
+            return None
+        aligned = self.codebooks.to_codes(deinterleave(rows))
+        return aligned[:, -self.cfg.codec.num_quantizers :]
+
+    def decode_audio(self, codes: torch.Tensor) -> torch.Tensor:
+        """[T, Q] -> [T * hop] waveform."""
+        return self.codec(codes.T[None].to(self.device))[0]

@@ -1,0 +1,92 @@
+"""Per-request speech sampling options, validated once at the edge (API, generator, reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import OutputMode
+
+MAX_TEMPERATURE = 100.0
+MAX_CFG_SCALE = 20.0  # beyond this guidance only amplifies noise
+
+
+def _number(name: str, value, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}: must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeechSamplingParams:
+    """Options of one request. `None` fields take the checkpoint's defaults in `resolve`."""
+
+    modality: OutputMode = OutputMode.AUTO
+    text_temperature: float | None = None
+    text_top_k: int | None = None
+    audio_temperature: float | None = None
+    audio_top_k: int | None = None
+    cfg_scale: float = 1.0  # 1 = no guidance
+    max_tokens: int = 1024  # stream-0 tokens, forced ones and the final eos included
+    max_text_tokens: int | None = None  # text may fill the answer up to this index, then <|eot|>
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modality", OutputMode.parse(self.modality))
+        for name in ("text_temperature", "audio_temperature"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _number(name, getattr(self, name), 0.0, MAX_TEMPERATURE))
+        for name in ("text_top_k", "audio_top_k"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), -1)
+        object.__setattr__(self, "cfg_scale", _number("cfg_scale", self.cfg_scale, 1.0, MAX_CFG_SCALE))
+        _integer("max_tokens", self.max_tokens, 1)
+        if self.max_text_tokens is not None:
+            _integer("max_text_tokens", self.max_text_tokens, 1)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, 2**63 - 1)
+
+    def resolve(self, cfg: SpeechLMConfig) -> SpeechSamplingParams:
+        """Fill unset fields from the checkpoint's per-modality defaults."""
+        t, a = cfg.text_sampling, cfg.audio_sampling
+        return dataclasses.replace(
+            self,
+            text_temperature=t.temperature if self.text_temperature is None else self.text_temperature,
+            text_top_k=t.top_k if self.text_top_k is None else self.text_top_k,
+            audio_temperature=a.temperature if self.audio_temperature is None else self.audio_temperature,
+            audio_top_k=a.top_k if self.audio_top_k is None else self.audio_top_k,
+        )
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    @property
+    def engine_temperature(self) -> float:
+        """The one temperature vLLM applies to stream 0 (0: greedy)."""
+        return self.audio_temperature if self.audio_temperature > 0 else self.text_temperature
+
+    def row_values(self) -> tuple[int, int, float, float, float, int]:
+        """(text k, audio k, text scale, audio scale, aux divisor, text budget) of `RowSampling`.
+        A greedy modality becomes top-1; a sampled one is rescaled to the engine temperature."""
+        te = self.engine_temperature
+
+        def k_and_scale(temp: float, top_k: int) -> tuple[int, float]:
+            return (1, 1.0) if temp == 0 else (top_k, te / temp)
+
+        tk, ts = k_and_scale(self.text_temperature, self.text_top_k)
+        ak, as_ = k_and_scale(self.audio_temperature, self.audio_top_k)
+        text_budget = self.max_text_tokens if self.max_text_tokens is not None else self.max_tokens
+        return tk, ak, ts, as_, self.audio_temperature or 1.0, text_budget
