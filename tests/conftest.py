@@ -1,12 +1,14 @@
 """Shared fixtures: tiny checkpoints are made once per test session, never downloaded."""
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["SPEECHLM_SELFTEST_PIPELINES"] = "1"  # spawned engines and workers inherit it
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +25,84 @@ def reference(tiny_bagpiper):
     from vllm_omni_speechlm.reference import ReferenceSpeechLM
 
     return ReferenceSpeechLM(tiny_bagpiper)
+
+
+# --- CPU platform tests (tests/test_cpu_platform*.py) -------------------------------------------
+
+
+def _make_cpu_platform_tiny_qwen3(path: Path) -> Path:
+    """Random tiny Qwen3ForCausalLM + a local word-level tokenizer (no hub access).
+
+    head_dim is 32 because vLLM's CPU attention supports head sizes 32..512 only; float32 and a
+    wide init keep greedy decoding free of near-ties, so two engines must agree token for token.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = {f"t{i}": i for i in range(255)} | {"<eos>": 255}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<eos>", pad_token="<eos>"
+    ).save_pretrained(path)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        bos_token_id=255,
+        eos_token_id=255,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cpu_platform_tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_cpu_platform_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def cpu_platform_plugins_loaded() -> None:
+    """Run the installed ``vllm.general_plugins`` entry points in this (orchestrator) process.
+
+    Engine and worker processes run them on their own; the offline ``Omni`` orchestrator does
+    not before it resolves the pipeline, so tests do what an application has to do.
+    """
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
+CPU_PLATFORM_PROMPTS = ([1, 2, 3, 4, 5], [17, 200, 3, 99, 42, 8, 120])
+CPU_PLATFORM_MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def cpu_platform_vllm_greedy(cpu_platform_tiny_qwen3) -> dict[tuple[int, ...], list[int]]:
+    """Greedy tokens of plain vLLM (its own CPUWorker, no omni code) per prompt in
+    ``CPU_PLATFORM_PROMPTS``; the engine is shut down before any Omni engine starts."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(cpu_platform_tiny_qwen3), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=CPU_PLATFORM_MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in CPU_PLATFORM_PROMPTS], params, use_tqdm=False)
+        return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(CPU_PLATFORM_PROMPTS, outs)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()

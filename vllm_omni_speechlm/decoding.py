@@ -58,10 +58,10 @@ class OutputMode(enum.IntEnum):
     TEXT_AUDIO = 3  # a text answer, then its audio
 
     @classmethod
-    def parse(cls, value: "str | OutputMode") -> "OutputMode":
-        if isinstance(value, OutputMode):
-            return value
+    def parse(cls, value: "str | int | OutputMode") -> "OutputMode":
         names = {"auto": cls.AUTO, "text": cls.TEXT, "audio": cls.AUDIO, "text+audio": cls.TEXT_AUDIO}
+        if isinstance(value, int) and not isinstance(value, bool) and value in iter(cls):
+            return cls(value)
         if value not in names:
             raise ValueError(f"modality: expected one of {sorted(names)}, got {value!r}")
         return names[value]

@@ -67,3 +67,17 @@ class CodebookMap:
         if bool(((codes < 0) | (codes >= sizes)).any()):
             raise ValueError("codes outside [0, codebook_size) of their stream")
         return codes + self.offsets.to(codes.device)
+
+
+def audio_codes(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:
+    """[L, S] generated stream tokens -> [T, Q] codebook indices of the codec streams, or None.
+
+    Audio rows are the ones whose stream 0 is a codec token (the audio-row mask allows nothing
+    else there), so the final eos row and any text rows drop out; T = rows - (S - 1).
+    """
+    s0 = cfg.streams[0]
+    rows = tokens[(tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)]
+    if rows.shape[0] < cfg.num_streams:
+        return None
+    aligned = CodebookMap(cfg, tokens.device).to_codes(deinterleave(rows))
+    return aligned[:, -cfg.codec.num_quantizers :]

@@ -37,6 +37,17 @@ class BackboneGeometry:
     max_position_embeddings: int = 4096
 
 
+# The released Bagpiper backbone (Qwen3-8B), for dummy-weight benchmarks.
+BAGPIPER_8B = BackboneGeometry(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+)
+
 TINY_TEXT_VOCAB = 400  # byte-level BPE: 256 bytes + merges
 FAMILIES = {"bagpiper": ("qwen3", "BagpiperForCausalLM")}
 
@@ -106,6 +117,25 @@ def random_weights(layout: SpeechLMConfig, geo: BackboneGeometry, seed: int) -> 
         "stream_embeddings.weight": stream_emb,
     }
     return {k: v.contiguous() for k, v in w.items()}
+
+
+def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, speech: bool = True) -> None:
+    """config.json + tokenizer of the released Bagpiper layout at geometry `geo`, no weights: for
+    `load_format="dummy"` engines. speech=False writes the plain Qwen3 text LM of the same
+    backbone and vocabulary (the benchmarks' baseline). The tokenizer is the tiny one (prompts
+    are token ids; it only has to load)."""
+    layout = bagpiper_layout()
+    model_type, arch = FAMILIES["bagpiper"]
+    config = backbone_config(layout, geo, model_type, arch if speech else "Qwen3ForCausalLM")
+    config["dtype"] = "bfloat16"
+    if not speech:
+        del config[SPEECHLM_KEY]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
+    tiny = bagpiper_layout(text_vocab_size=len(text_vocab))
+    write_hf_tokenizer(build_tokenizer(tiny, text_vocab, merges), tiny, out_dir)
 
 
 def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechLMConfig:

@@ -1,9 +1,33 @@
 """`vllm.general_plugins` entry point: runs in the API server, every EngineCore and worker."""
 
+import os
+
+# Set (by the test suite) to also register the platform self-test pipelines.
+SELFTEST_ENV = "SPEECHLM_SELFTEST_PIPELINES"
+
 
 def register() -> None:
-    """Register the project's architectures and pipelines (filled in by the stage issues)."""
-    # Platform self-test pipelines (tests/test_cpu_platform*.py); selected only by name.
-    from vllm_omni_speechlm.platforms import selftest
+    """Register the project's architectures (vLLM's and vllm-omni's registries: stages load
+    models through the latter) and pipelines. Idempotent: it runs more than once per process."""
+    register_speech_lms()
+    if os.environ.get(SELFTEST_ENV) == "1":  # tests/test_cpu_platform*.py; selected only by name
+        from vllm_omni_speechlm.platforms import selftest
 
-    selftest.register()
+        selftest.register()
+
+
+def register_speech_lms() -> None:
+    from vllm import ModelRegistry
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+    from vllm_omni.model_executor.models.registry import OmniModelRegistry
+
+    from vllm_omni_speechlm.models import ARCHITECTURES
+    from vllm_omni_speechlm.pipeline import PIPELINES
+
+    for registry in (ModelRegistry, OmniModelRegistry):
+        for arch, target in ARCHITECTURES.items():
+            if arch not in registry.get_supported_archs():
+                registry.register_model(arch, target)
+    for pipeline in PIPELINES:
+        if pipeline.model_type not in OMNI_PIPELINES:
+            register_pipeline(pipeline)

@@ -126,3 +126,10 @@ def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: s
 def _encode(tokenizer: _Encoder, text: str) -> list[int]:
     enc = tokenizer.encode(text, add_special_tokens=False)
     return list(getattr(enc, "ids", enc))  # tokenizers.Encoding or a list from transformers
+
+
+def decode_text(tokenizer, stream0: list[int], cfg: SpeechLMConfig) -> str | None:
+    """The text part of an answer (stream-0 ids inside `text_range`), or None if there is none."""
+    lo, hi = cfg.text_range
+    ids = [t for t in stream0 if lo <= t < hi]
+    return tokenizer.decode(ids) if ids else None

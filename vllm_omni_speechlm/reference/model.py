@@ -20,9 +20,10 @@ from tokenizers import Tokenizer
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, aux_seed
-from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave
+from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, Qwen3Backbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+from vllm_omni_speechlm.tokenizer import decode_text
 
 
 SAMPLING_EPS = 1e-5  # vLLM's greedy threshold
@@ -75,7 +76,6 @@ class ReferenceSpeechLM:
         self.aux_head = torch.stack([self.lm_head[s.vocab_start : s.vocab_end] for s in aux]) if aux else None
         self.aux_start = torch.tensor([s.vocab_start for s in aux], device=device)
         self.rules = DecodingRules(cfg, device)
-        self.codebooks = CodebookMap(cfg, device)
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.codec = XCodecDecoder.from_pretrained(os.path.join(model_dir, cfg.codec.path), device=device).eval()
 
@@ -147,21 +147,10 @@ class ReferenceSpeechLM:
     # ---- outputs --------------------------------------------------------------------------
     def finish(self, tokens: torch.Tensor, kinds: torch.Tensor, reason: str) -> ReferenceOutput:
         cfg = self.cfg
-        lo, hi = cfg.text_range
-        text_ids = tokens[:, 0][(tokens[:, 0] >= lo) & (tokens[:, 0] < hi)].tolist()
-        text = self.tokenizer.decode(text_ids) if text_ids else None
-        codes = self.audio_codes(tokens, kinds)
+        text = decode_text(self.tokenizer, tokens[:, 0].tolist(), cfg)
+        codes = audio_codes(tokens, cfg)
         audio = self.decode_audio(codes) if codes is not None else None
         return ReferenceOutput(tokens, kinds, reason, text, codes, audio)
-
-    def audio_codes(self, tokens: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor | None:
-        """The audio rows (stream 0 in the codec range) de-interleaved -> [T, Q] or None."""
-        is_code = (kinds == RowKind.AUDIO) & (tokens[:, 0] >= self.cfg.codec_start)
-        rows = tokens[is_code]
-        if rows.shape[0] < self.cfg.num_streams:
-            return None
-        aligned = self.codebooks.to_codes(deinterleave(rows))
-        return aligned[:, -self.cfg.codec.num_quantizers :]
 
     def decode_audio(self, codes: torch.Tensor) -> torch.Tensor:
         """[T, Q] -> [T * hop] waveform."""

@@ -1,0 +1,138 @@
+"""Stage-0 decode throughput: Bagpiper (8 streams) on vLLM-Omni vs the plain Qwen3 text LM of the
+same backbone on vLLM, dummy weights, fixed-length generation.
+
+    python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512]
+
+Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step) and
+ignore eos, so every request generates exactly --gen-len steps; the baseline generates
+--gen-len text tokens per request. Reported: frames/s (Bagpiper) or tok/s (text LM), and
+the ratio frames/s / tok/s per concurrency. Prints and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+
+
+def _prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab[0], vocab[1], (n, length), generator=g).tolist()
+
+
+def _engine_settings(args) -> dict:
+    return dict(
+        load_format="dummy",
+        max_num_seqs=max(args.concurrency),
+        max_model_len=args.prompt_len + args.gen_len + 16,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def bench_text_lm(model_dir: str, args) -> dict[int, dict]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, **_engine_settings(args))
+    params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
+    results = {}
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], params)
+        for n in args.concurrency:
+            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            results[n] = {"seconds": elapsed, "tokens": tokens, "tok_per_s": tokens / elapsed}
+            print(f"text LM   concurrency {n:4d}: {tokens / elapsed:9.1f} tok/s ({elapsed:.2f} s)", flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return results
+
+
+def bench_speech_lm(model_dir: str, args) -> dict[int, dict]:
+    import stage_configs
+    from vllm import SamplingParams
+    from vllm_omni import Omni
+
+    from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.models.speechlm import SPEECH_PARAMS_KEY
+
+    plugin.register()
+    omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args))
+    params = SamplingParams(temperature=0.8, top_k=0, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
+    speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20}}
+
+    def requests(n: int, seed: int) -> list[dict]:
+        return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
+
+    results = {}
+    try:
+        omni.generate(requests(8, 0), [params], use_tqdm=False)
+        for n in args.concurrency:
+            reqs = requests(n, n)
+            start = time.perf_counter()
+            outs = omni.generate(reqs, [params], use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            frames = 0
+            for o in outs:
+                rows = o.multimodal_output["codes"]["audio"]
+                assert rows.shape == (args.gen_len, 8), rows.shape  # every step one 8-stream frame
+                frames += rows.shape[0]
+            results[n] = {"seconds": elapsed, "frames": frames, "frames_per_s": frames / elapsed}
+            print(f"speech LM concurrency {n:4d}: {frames / elapsed:9.1f} frames/s ({elapsed:.2f} s)", flush=True)
+    finally:
+        omni.close()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
+    args = ap.parse_args()
+
+    from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
+
+    geometry = BackboneGeometry() if args.tiny else BAGPIPER_8B
+
+    root = tempfile.mkdtemp(prefix="stage0-bench-")
+    speech_dir, text_dir = os.path.join(root, "bagpiper"), os.path.join(root, "qwen3")
+    write_geometry_config(speech_dir, geometry, speech=True)
+    write_geometry_config(text_dir, geometry, speech=False)
+
+    text = bench_text_lm(text_dir, args)
+    speech = bench_speech_lm(speech_dir, args)
+    import vllm
+
+    report = {
+        "benchmark": "stage0_throughput",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "settings": {**vars(args), "geometry": f"Bagpiper layout (vocab 160392), {geometry}, bf16, dummy weights"},
+        "text_lm": text,
+        "speech_lm": speech,
+        "ratio_frames_per_text_tok": {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency},
+    }
+    print(json.dumps(report["ratio_frames_per_text_tok"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

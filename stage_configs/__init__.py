@@ -1,0 +1,12 @@
+"""Deploy YAMLs (vllm-omni `--deploy-config`), shipped with the package; `path(name)` finds one."""
+
+from pathlib import Path
+
+DIR = Path(__file__).resolve().parent
+
+
+def path(name: str) -> str:
+    found = DIR / name
+    if not found.is_file():
+        raise ValueError(f"deploy config: no {name!r} in {DIR} (have {sorted(p.name for p in DIR.glob('*.yaml'))})")
+    return str(found)

@@ -1,0 +1,118 @@
+"""Two omni stages on CPU: AR -> generation through the SharedMemoryConnector, async_chunk on."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
+
+MAX_TOKENS = 8
+SHM = Path("/dev/shm")
+
+# connector_get_sleep_s: the consumer polls that often, so each payload segment stays in
+# /dev/shm for up to that long and the watcher below can see it without racing.
+ECHO_DEPLOY = """\
+pipeline: speechlm_selftest_echo
+async_chunk: true
+connectors:
+  shm:
+    name: SharedMemoryConnector
+    extra:
+      connector_get_sleep_s: 0.1
+stages:
+  - stage_id: 0
+    max_num_seqs: 4
+    max_model_len: 256
+    enforce_eager: true
+    dtype: float32
+    output_connectors:
+      to_stage_1: shm
+  - stage_id: 1
+    max_num_seqs: 4
+    max_model_len: 256
+    enforce_eager: true
+    dtype: float32
+    input_connectors:
+      from_stage_0: shm
+"""
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir(SHM))
+
+
+class _ShmWatcher(threading.Thread):
+    """Records every /dev/shm name seen while running (payload keys: {req}_{stage}_{chunk})."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.seen: set[str] = set()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.seen |= _shm_names()
+            self._stop_event.wait(0.005)
+
+    def stop(self) -> set[str]:
+        self._stop_event.set()
+        self.join()
+        return self.seen
+
+
+@pytest.fixture(scope="module")
+def echo_run(cpu_platform_tiny_qwen3, cpu_platform_plugins_loaded, tmp_path_factory, cpu_platform_vllm_greedy):
+    # Depends on the reference so plain vLLM has finished (and freed its engine) first.
+    from vllm import SamplingParams
+    from vllm_omni import Omni
+
+    deploy = Path(tmp_path_factory.mktemp("deploy")) / "echo.yaml"
+    deploy.write_text(ECHO_DEPLOY)
+    before = _shm_names()
+    omni = Omni(model=str(cpu_platform_tiny_qwen3), deploy_config=str(deploy))
+    try:
+        assert omni.async_chunk
+        ar = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        gen = SamplingParams(temperature=0.0, max_tokens=1)
+        watcher = _ShmWatcher()
+        watcher.start()
+        try:
+            outs = omni.generate([{"prompt_token_ids": p} for p in PROMPTS], [ar, gen])
+        finally:
+            seen = watcher.stop()
+    finally:
+        omni.close()
+        del omni
+        gc.collect()
+    after = _shm_names()
+    # Omni names request i "{i}_{uuid}" (stage 1's own prompt ids are connector placeholders).
+    prompt_of = {out.request_id: tuple(PROMPTS[int(out.request_id.split("_", 1)[0])]) for out in outs}
+    return {"outs": outs, "seen": seen, "before": before, "after": after, "prompt_of": prompt_of}
+
+
+def test_stage1_receives_stage0_tokens(echo_run, cpu_platform_vllm_greedy):
+    """Stage 1's output is the echo of stage 0's greedy tokens, chunk after chunk, in order."""
+    outs = echo_run["outs"]
+    assert len(outs) == len(PROMPTS)
+    for out in outs:
+        assert out.stage_id == 1 and out.finished and out.final_output_type == "latent"
+        assert out.metrics["stage_metrics"]["0"]["num_tokens_out"] == MAX_TOKENS
+        (echoed,) = out.outputs[0].multimodal_output.tensors.values()
+        prompt = echo_run["prompt_of"][out.request_id]
+        assert [int(v) for v in echoed.tolist()] == cpu_platform_vllm_greedy[prompt][:MAX_TOKENS]
+
+
+def test_payload_went_through_shared_memory(echo_run):
+    keys = {n for n in echo_run["seen"] if re.fullmatch(r".+_0_\d+", n)}
+    for out in echo_run["outs"]:
+        assert any(k.startswith(out.request_id) for k in keys), (out.request_id, sorted(keys))
+
+
+def test_no_shared_memory_left_after_shutdown(echo_run):
+    assert echo_run["after"] - echo_run["before"] == set()

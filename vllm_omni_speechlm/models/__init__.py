@@ -1,0 +1,6 @@
+"""vLLM model classes of the speech LM families (registered by `vllm_omni_speechlm.plugin`)."""
+
+# architecture name in config.json -> "module:class"
+ARCHITECTURES = {
+    "BagpiperForCausalLM": "vllm_omni_speechlm.models.bagpiper:BagpiperForCausalLM",
+}

@@ -1,0 +1,98 @@
+"""Per-request decoding state of a speech LM worker, in device tables indexed by slot.
+
+A request holds a slot from its first prefill until vLLM reports it finished or aborted; a
+preempted request keeps its slot (vLLM re-prefills prompt + outputs, and the auxiliary streams
+of those outputs come back from `aux_history`). Everything a step needs is gathered by slot in
+one indexing op; no per-request device work happens per step except seeded noise draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import Phase, RowSampling, aux_seed
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+
+@dataclass
+class RequestEntry:
+    slot: int
+    params: SpeechSamplingParams  # resolved against the checkpoint's defaults
+    prompt_len: int
+    aux_generator: torch.Generator | None  # None: unseeded, noise from the global RNG
+    max_top_k: int  # host copy, so a step's top-k width needs no device read
+
+
+class RequestTable:
+    """Slots, phases, sampling rows and the auxiliary-stream history of live requests."""
+
+    def __init__(self, cfg: SpeechLMConfig, capacity: int, max_output_len: int, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.max_output_len = max_output_len
+        self.entries: dict[str, RequestEntry] = {}
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        d, s1 = self.device, self.cfg.num_streams - 1
+        self.capacity = capacity
+        self.free = list(range(capacity - 1, -1, -1))
+        self.phase = torch.zeros(capacity, dtype=torch.long, device=d)
+        self.mode = torch.zeros(capacity, dtype=torch.long, device=d)
+        self.ints = torch.zeros(capacity, 3, dtype=torch.long, device=d)  # text k, audio k, text budget
+        self.floats = torch.ones(capacity, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
+        self.aux_history = torch.zeros(capacity, self.max_output_len, s1, dtype=torch.int32, device=d)
+
+    def _grow(self) -> None:
+        """Double the tables (more live requests than expected: preempted ones keep slots)."""
+        old = (self.phase, self.mode, self.ints, self.floats, self.aux_history)
+        n = self.capacity
+        self._allocate(2 * n)
+        for new, prev in zip((self.phase, self.mode, self.ints, self.floats, self.aux_history), old):
+            new[:n] = prev
+        self.free = [s for s in self.free if s >= n]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.entries
+
+    def admit(self, req_id: str, params: SpeechSamplingParams, prompt_len: int) -> RequestEntry:
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(aux_seed(params.seed))
+        tk, ak, ts, as_, div, budget = params.row_values()
+        entry = RequestEntry(slot, params, prompt_len, gen, max(tk, ak))
+        self.entries[req_id] = entry
+        self.phase[slot] = int(Phase.START)
+        self.mode[slot] = int(params.modality)
+        self.ints[slot] = torch.tensor([tk, ak, budget])
+        self.floats[slot] = torch.tensor([ts, as_, div])
+        return entry
+
+    def release(self, req_ids) -> None:
+        for req_id in req_ids:
+            entry = self.entries.pop(req_id, None)
+            if entry is not None:
+                self.free.append(entry.slot)
+
+    def row_sampling(self, slots: torch.Tensor, entries: list[RequestEntry]) -> RowSampling:
+        ints, floats = self.ints[slots], self.floats[slots]
+        max_k = max(e.max_top_k for e in entries)
+        return RowSampling(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_k)
+
+    def aux_noise(self, entries: list[RequestEntry], samples: list[bool], width: int) -> torch.Tensor:
+        """[N, S-1, W] Exp(1) noise: rows that sample and are seeded draw from their own
+        generator (the contract in `decoding.py`), the rest from the global RNG in one draw."""
+        noise = torch.empty(len(entries), self.cfg.num_streams - 1, width, device=self.device)
+        noise.exponential_()
+        for i, (entry, sampled) in enumerate(zip(entries, samples)):
+            if sampled and entry.aux_generator is not None:
+                noise[i].exponential_(generator=entry.aux_generator)
+        return noise

@@ -1,0 +1,44 @@
+"""Pipeline topologies of the speech LM families (deployment settings live in stage_configs/).
+
+Selected by vllm-omni from the checkpoint: config.json keeps its backbone's `model_type`
+(e.g. qwen3), so the match is on the architecture plus the presence of the `speechlm` section.
+"""
+
+from __future__ import annotations
+
+from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
+
+from vllm_omni_speechlm.config import SPEECHLM_KEY
+
+BAGPIPER_ARCH = "BagpiperForCausalLM"
+
+
+def _is_speechlm(hf_config) -> bool:
+    return isinstance(getattr(hf_config, SPEECHLM_KEY, None), dict)
+
+
+def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
+    """Stage 0: the AR speech LM. Its client output is text (stream 0) plus `codes.audio`, one
+    [1, S] row of all streams per generated token."""
+    fields = dict(
+        stage_id=0,
+        model_stage="speech_lm",
+        execution_type=StageExecutionType.LLM_AR,
+        owns_tokenizer=True,
+        model_arch=arch,
+        engine_output_type="latent",
+        final_output=True,
+        final_output_type="text",
+    )
+    return StagePipelineConfig(**(fields | overrides))
+
+
+BAGPIPER_AR_PIPELINE = PipelineConfig(
+    model_type="bagpiper",
+    model_arch=BAGPIPER_ARCH,
+    stages=(speech_lm_stage(BAGPIPER_ARCH),),
+    hf_architectures=(BAGPIPER_ARCH,),
+    hf_config_predicate=_is_speechlm,
+)
+
+PIPELINES = (BAGPIPER_AR_PIPELINE,)

@@ -1,0 +1,83 @@
+"""vllm-omni AR / generation workers and model runners on vLLM's CPU backend.
+
+See ``cpu.py`` for the platform and the overall design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import vllm.v1.worker.cpu_worker as _vllm_cpu_worker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
+from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
+from vllm_omni.worker.mixins import OmniWorkerMixin
+
+
+class _CPURunnerMixin:
+    """Shared tail of the CPU runners.
+
+    ``CPUModelRunner.__init__`` fakes ``torch.Event`` / ``torch.cuda.Stream`` only around
+    ``GPUModelRunner.__init__``; vllm-omni's ``__init__`` bodies run after it returns (they
+    create connectors and extra buffers), so the same fake is held around the whole chain.
+    Buffers created there are re-aliased afterwards so ``.gpu`` is ``.cpu`` (no host copies).
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        with _torch_cuda_wrapper():
+            super().__init__(vllm_config, device)  # type: ignore[call-arg]
+        self._postprocess_tensors()  # type: ignore[attr-defined]
+
+
+class CPUARModelRunner(_CPURunnerMixin, GPUARModelRunner, CPUModelRunner):
+    """vllm-omni AR runner (hidden states, multimodal outputs, connectors) on vLLM's CPU runner."""
+
+
+class CPUGenerationModelRunner(_CPURunnerMixin, GPUGenerationModelRunner, CPUModelRunner):
+    """vllm-omni generation runner (no sampling; tensors out) on vLLM's CPU runner."""
+
+
+@contextlib.contextmanager
+def _cpu_worker_builds(runner_cls: type) -> Iterator[None]:
+    """Make ``CPUWorker.init_device`` construct ``runner_cls`` instead of ``CPUModelRunner``.
+
+    ``init_device`` does the CPU-specific process setup (LD_PRELOAD checks, thread binding,
+    gloo init, seeding) and then instantiates the module-global ``CPUModelRunner``. Swapping that
+    one name for the duration of the call reuses all of it without copying it; the attribute
+    lookup fails loudly if vLLM renames it.
+    """
+    original = _vllm_cpu_worker.CPUModelRunner
+    _vllm_cpu_worker.CPUModelRunner = runner_cls
+    try:
+        yield
+    finally:
+        _vllm_cpu_worker.CPUModelRunner = original
+
+
+class _CPUOmniWorker(OmniWorkerMixin, CPUWorker):
+    model_runner_cls: type[CPUModelRunner]
+
+    def init_device(self) -> None:
+        if getattr(self.model_config, "use_v2_model_runner", False) or self.use_v2_model_runner:
+            raise NotImplementedError(
+                "vllm-omni's Model Runner V2 is CUDA-only; on CPU set `model_runner: v1` "
+                "(deploy YAML, e.g. under `platforms: cpu:`) and leave VLLM_USE_V2_MODEL_RUNNER unset."
+            )
+        with _cpu_worker_builds(self.model_runner_cls):
+            super().init_device()
+
+
+class CPUARWorker(_CPUOmniWorker):
+    """Worker for ``StageExecutionType.LLM_AR`` stages on CPU."""
+
+    model_runner_cls = CPUARModelRunner
+
+
+class CPUGenerationWorker(_CPUOmniWorker):
+    """Worker for ``StageExecutionType.LLM_GENERATION`` stages on CPU."""
+
+    model_runner_cls = CPUGenerationModelRunner
