@@ -60,6 +60,46 @@ def bench_text_lm(model_dir: str, args) -> dict[int, dict]:
     return results
 
 
+# Plain Qwen3 as a vllm-omni AR stage: separates vllm-omni's runner cost from the speech LM's.
+OMNI_TEXT_DEPLOY = """
+pipeline: speechlm_selftest_ar
+async_chunk: false
+stages:
+  - stage_id: 0
+    enable_chunked_prefill: false
+    enable_prefix_caching: false
+"""
+
+
+def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict]:
+    from vllm import SamplingParams
+    from vllm_omni import Omni
+
+    from vllm_omni_speechlm import plugin
+
+    os.environ[plugin.SELFTEST_ENV] = "1"
+    plugin.register()
+    deploy = os.path.join(model_dir, "omni_text.yaml")
+    with open(deploy, "w") as f:
+        f.write(OMNI_TEXT_DEPLOY)
+    omni = Omni(model=model_dir, deploy_config=deploy, **_engine_settings(args))
+    params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
+    results = {}
+    try:
+        omni.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], [params], use_tqdm=False)
+        for n in args.concurrency:
+            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
+            start = time.perf_counter()
+            outs = omni.generate(prompts, [params], use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            results[n] = {"seconds": elapsed, "tokens": tokens, "tok_per_s": tokens / elapsed}
+            print(f"omni text concurrency {n:4d}: {tokens / elapsed:9.1f} tok/s ({elapsed:.2f} s)", flush=True)
+    finally:
+        omni.close()
+    return results
+
+
 def bench_speech_lm(model_dir: str, args) -> dict[int, dict]:
     import stage_configs
     from vllm import SamplingParams
@@ -104,6 +144,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
+    ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
     args = ap.parse_args()
 
     from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
@@ -115,8 +156,9 @@ def main() -> None:
     write_geometry_config(speech_dir, geometry, speech=True)
     write_geometry_config(text_dir, geometry, speech=False)
 
-    text = bench_text_lm(text_dir, args)
-    speech = bench_speech_lm(speech_dir, args)
+    runs = {"text": (bench_text_lm, text_dir), "omni-text": (bench_omni_text_lm, text_dir), "speech": (bench_speech_lm, speech_dir)}
+    measured = {name: runs[name][0](runs[name][1], args) for name in args.runs}
+    text, speech = measured.get("text"), measured.get("speech")
     import vllm
 
     report = {
@@ -126,10 +168,12 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "settings": {**vars(args), "geometry": f"Bagpiper layout (vocab 160392), {geometry}, bf16, dummy weights"},
         "text_lm": text,
+        "omni_text_lm": measured.get("omni-text"),
         "speech_lm": speech,
-        "ratio_frames_per_text_tok": {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency},
     }
-    print(json.dumps(report["ratio_frames_per_text_tok"]), flush=True)
+    if text and speech:
+        report["ratio_frames_per_text_tok"] = {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency}
+    print(json.dumps(report.get("ratio_frames_per_text_tok")), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
