@@ -84,6 +84,16 @@ def cpu_platform_plugins_loaded() -> None:
 
 
 CPU_PLATFORM_PROMPTS = ([1, 2, 3, 4, 5], [17, 200, 3, 99, 42, 8, 120])
+CPU_PLATFORM_AR_DEPLOY = """\
+pipeline: speechlm_selftest_ar
+async_chunk: false
+stages:
+  - stage_id: 0
+    max_num_seqs: 4
+    max_model_len: 256
+    enforce_eager: true
+    dtype: float32
+"""
 CPU_PLATFORM_MAX_TOKENS = 12
 
 

@@ -7,18 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import CPU_PLATFORM_MAX_TOKENS as MAX_TOKENS
+from conftest import CPU_PLATFORM_AR_DEPLOY as AR_DEPLOY
 from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
-
-AR_DEPLOY = """\
-pipeline: speechlm_selftest_ar
-async_chunk: false
-stages:
-  - stage_id: 0
-    max_num_seqs: 4
-    max_model_len: 256
-    enforce_eager: true
-    dtype: float32
-"""
 
 
 def _greedy():

@@ -7,20 +7,10 @@ import time
 from pathlib import Path
 
 import psutil
+from conftest import CPU_PLATFORM_AR_DEPLOY as AR_DEPLOY
 from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
 
 MAX_TOKENS = 10
-
-AR_DEPLOY = """\
-pipeline: speechlm_selftest_ar
-async_chunk: false
-stages:
-  - stage_id: 0
-    max_num_seqs: 4
-    max_model_len: 256
-    enforce_eager: true
-    dtype: float32
-"""
 
 
 def _children() -> dict[int, str]:
