@@ -49,6 +49,7 @@ class StepRows:
     entries: list[RequestEntry] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)  # output index of the token each row samples
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
+    sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (row index, slot) of sampling rows
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -91,7 +92,6 @@ class SpeechLMForCausalLM(nn.Module):
         self._step = StepRows()
         self._frames: torch.Tensor | None = None
         self._frames_host: torch.Tensor | None = None
-        self._kinds: torch.Tensor | None = None
         self.num_resumed = 0  # re-prefills after preemption (observability, tests)
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -222,8 +222,8 @@ class SpeechLMForCausalLM(nn.Module):
         if self.speech.primary_stream_embedding:
             h0 = hidden_states + self.stream_embeddings.weight[0]
         raw = self.logits_processor(self.lm_head, h0)
+        step.sampled = None
         if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
-            self._kinds = None
             return raw
         table, rules = self._state()
         slots = _to_device([e.slot for e in step.entries], raw.device)
@@ -233,30 +233,25 @@ class SpeechLMForCausalLM(nn.Module):
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
         aux = rules.sample_aux_streams(self._aux_logits(hidden_states), rows, noise) + self.aux_start
         aux = torch.where(kinds[:, None] == RowKind.AUDIO, aux, self.speech.specials.pad)
-        sampled = [i for i, ok in enumerate(step.samples) if ok]
-        if sampled:
-            idx = _to_device(sampled, raw.device)
-            table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
         self._frames[:, 1:] = aux
-        self._kinds = kinds
+        # Rows that really sample (not a partial prefill chunk) update the request's state.
+        idx = _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
+        step.sampled = (idx, slots[idx])
+        table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
         return rules.process_primary_logits(raw, kinds, rows)
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         out = self.sampler(logits, sampling_metadata)
-        step = self._step
-        if self._kinds is None or len(step.entries) != logits.shape[0]:
+        if self._step.sampled is None:
             return out
+        idx, slots = self._step.sampled
         table, rules = self._state()
         token = out.sampled_token_ids[:, 0].long()
         self._frames[:, 0] = token
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self._frames_host.copy_(self._frames, non_blocking=True)
-        sampled = [i for i, ok in enumerate(step.samples) if ok]
-        if sampled:
-            idx = _to_device(sampled, logits.device)
-            slots = _to_device([step.entries[i].slot for i in sampled], logits.device)
-            table.phase[slots] = rules.advance(table.phase[slots], token[idx])
-        self._kinds = None
+        table.phase[slots] = rules.advance(table.phase[slots], token[idx])
+        self._step.sampled = None
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------
