@@ -41,4 +41,36 @@ BAGPIPER_AR_PIPELINE = PipelineConfig(
     hf_config_predicate=_is_speechlm,
 )
 
-PIPELINES = (BAGPIPER_AR_PIPELINE,)
+# ---- streaming: speech LM -> X-Codec decoder, audio chunks over the omni connector -------------
+CODEC_DECODER_ARCH = "BagpiperCodecDecoder"
+SPEECH_CODEC_PROCESSOR = "stage_input_processors.speech_codec.speechlm2codec_async_chunk"
+
+
+def codec_decoder_stage(**overrides) -> StagePipelineConfig:
+    """Stage 1: the X-Codec decoder (generation stage). Its prompt is one window of codebook
+    indices from stage 0's processor; its client output is the window's new 16 kHz audio."""
+    fields = dict(
+        stage_id=1,
+        model_stage="codec",
+        execution_type=StageExecutionType.LLM_GENERATION,
+        input_sources=(0,),
+        model_arch=CODEC_DECODER_ARCH,
+        engine_output_type="audio",
+        final_output=True,
+        final_output_type="audio",
+    )
+    return StagePipelineConfig(**(fields | overrides))
+
+
+BAGPIPER_STREAMING_PIPELINE = PipelineConfig(
+    model_type="bagpiper_streaming",  # selected by name (deploy YAML `pipeline:`), never by checkpoint
+    model_arch=BAGPIPER_ARCH,
+    stages=(
+        speech_lm_stage(
+            BAGPIPER_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
+        ),
+        codec_decoder_stage(),
+    ),
+)
+
+PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_STREAMING_PIPELINE)

@@ -1,0 +1,163 @@
+"""Stage 0 (speech LM) -> stage 1 (X-Codec decoder): the async_chunk producer.
+
+Called by vllm-omni's chunk transfer adapter (on its save thread, FIFO per request) once per
+stage-0 step that produced a payload, and once more with `is_finished=True`. Each step's payload
+is `{"codes": {"audio": LongTensor[1, S]}}`: the step's unified token ids of all S streams
+(`[0, S]` on partial-prefill steps).
+
+Per request it buffers the audio rows (stream 0 in stream 0's codec slice, the same rule as
+`delay_pattern.audio_codes`, so text rows and the final eos row drop out) and, once enough frames
+are complete (frame t is complete once row t + S - 1 exists), sends stage 1 one window:
+
+    frames [emitted - left, target + holdback)   flattened [T_win * Q] codebook indices
+    meta.left_context_size = left                 (<= codec_left_context_frames, 25)
+    meta.right_holdback_size = holdback           (codec_right_holdback_frames, 10; 0 at finish)
+
+Stage 1 decodes the window and keeps frames [emitted, target): exactly the new ones. Holding back
+10 frames makes streaming exact: X-Codec's output frame f depends on input frames f-10..f+10
+(codec/xcodec.py), so with >= 10 frames of left context and 10 of lookahead the kept samples equal
+whole-clip decoding up to float rounding. The cost is 10 frames (200 ms) of extra latency per
+window. At finish the rest is flushed with no holdback (the clip ends there, as in whole-clip
+decoding). The first window may be smaller (`initial_codec_chunk_frames`: connector `extra`, or
+per request in the prompt's `additional_information`) for faster first audio.
+
+State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (buffered rows, [S] long
+tensors) and `transfer_manager.request_payload[external_req_id]` (counters). The adapter pops
+both on a normal finish and on abort (`_clear_sender_state_locked`, via `cleanup_sender`), so
+nothing here outlives a request.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave
+
+# Deployment defaults; the connector's `extra` section overrides them (stage_configs/bagpiper_streaming.yaml).
+DEFAULTS = {
+    "codec_chunk_frames": 25,
+    "codec_left_context_frames": 25,
+    "codec_right_holdback_frames": 10,
+    "initial_codec_chunk_frames": 0,  # 0: the first window is a full chunk
+}
+# Per-request override of the first window, in the prompt's additional_information.
+INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(model_dir: str) -> tuple[SpeechLMConfig, CodebookMap]:
+    """The checkpoint's stream layout (immutable, shared by all requests)."""
+    cfg = SpeechLMConfig.from_model_dir(model_dir)
+    return cfg, CodebookMap(cfg)
+
+
+def _model_dir(transfer_manager: Any) -> str:
+    """Stage 0's checkpoint directory (the adapter keeps stage 0's model config as `config`)."""
+    model = getattr(getattr(transfer_manager, "config", None), "model", None)
+    if not model:
+        raise RuntimeError("speech_codec: the transfer manager's model config names no model directory")
+    return str(model)
+
+
+def chunk_settings(transfer_manager: Any) -> dict[str, int]:
+    """DEFAULTS overridden by the connector's `extra` section; a bad value names its key."""
+    raw = getattr(transfer_manager.connector, "config", None) or {}
+    extra = raw.get("extra", raw) if isinstance(raw, dict) else {}
+    out = {}
+    for key, default in DEFAULTS.items():
+        value = extra.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"connector extra: {key} must be a non-negative int, got {value!r}")
+        out[key] = value
+    if out["codec_chunk_frames"] < 1:
+        raise ValueError(f"connector extra: codec_chunk_frames must be >= 1, got {out['codec_chunk_frames']}")
+    return out
+
+
+def _request_initial_chunk(request: Any) -> int | None:
+    """The request's own first-window size, if its prompt carried one."""
+    from vllm_omni.engine.serialization import deserialize_additional_information
+
+    info = deserialize_additional_information(getattr(request, "additional_information", None))
+    value = info.get(INITIAL_CHUNK_KEY)
+    if isinstance(value, list) and len(value) == 1:  # scalars may arrive wrapped
+        value = value[0]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"additional_information: {INITIAL_CHUNK_KEY} must be a positive int, got {value!r}")
+    return value
+
+
+def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
+    first = _request_initial_chunk(request) or settings["initial_codec_chunk_frames"]
+    # emitted: frames already sent as new audio; base: absolute index of the first buffered row.
+    return {"emitted": 0, "base": 0, "first_chunk": first or settings["codec_chunk_frames"]}
+
+
+def _append_audio_row(rows: list[torch.Tensor], multimodal_output: Any, cfg: SpeechLMConfig) -> None:
+    """Buffer this step's [1, S] row if it is an audio row (host tensors: no device sync)."""
+    codes = (multimodal_output or {}).get("codes", {}) if isinstance(multimodal_output, dict) else {}
+    step = codes.get("audio") if isinstance(codes, dict) else None
+    if not isinstance(step, torch.Tensor) or step.numel() == 0:
+        return
+    step = step.reshape(-1, cfg.num_streams).to(torch.long)
+    s0 = cfg.streams[0]
+    for row in step:  # one row per step in practice
+        if s0.vocab_start <= int(row[0]) < s0.vocab_end:
+            rows.append(row)
+
+
+def window_codes(rows: list[torch.Tensor], cfg: SpeechLMConfig, cmap: CodebookMap) -> torch.Tensor:
+    """Interleaved rows [R][S] -> aligned codebook indices [R - S + 1, Q]."""
+    aligned = cmap.to_codes(deinterleave(torch.stack(rows)))
+    return aligned[:, -cfg.codec.num_quantizers :]
+
+
+def speechlm2codec_async_chunk(
+    transfer_manager: Any,
+    multimodal_output: Any,
+    request: Any,
+    is_finished: bool = False,
+) -> Any:
+    """Return the next window for stage 1 (an OmniPayloadStruct) or None (nothing to send yet)."""
+    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
+
+    ext_id = request.external_req_id
+    cfg, cmap = _layout(_model_dir(transfer_manager))
+    settings = chunk_settings(transfer_manager)
+    rows = transfer_manager.code_prompt_token_ids[ext_id]
+    state = transfer_manager.request_payload.get(ext_id)
+    if state is None:
+        state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
+    _append_audio_row(rows, multimodal_output, cfg)
+
+    total = max(0, state["base"] + len(rows) - (cfg.num_streams - 1))  # complete frames
+    holdback = 0 if is_finished else settings["codec_right_holdback_frames"]
+    target = total - holdback
+    emitted = state["emitted"]
+    chunk = state["first_chunk"] if emitted == 0 else settings["codec_chunk_frames"]
+    if target - emitted <= 0 or (not is_finished and target - emitted < chunk):
+        return None  # on the final call the adapter sends the terminal marker itself
+
+    left = min(settings["codec_left_context_frames"], emitted)
+    # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
+    codes = window_codes(rows[emitted - left - state["base"] :], cfg, cmap)  # [left + new + holdback, Q]
+    state["emitted"] = target
+    _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
+    return OmniPayloadStruct(
+        codes=CodesStruct(audio=codes.reshape(-1)),
+        meta=MetaStruct(left_context_size=left, right_holdback_size=holdback),
+    )
+
+
+def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_needed: int) -> None:
+    """Free rows no later window can reach (the next one starts at emitted - left context)."""
+    drop = first_needed - state["base"]
+    if drop > 0:
+        del rows[:drop]
+        state["base"] += drop
