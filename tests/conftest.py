@@ -116,3 +116,34 @@ def cpu_platform_vllm_greedy(cpu_platform_tiny_qwen3) -> dict[tuple[int, ...], l
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+# --- shared memory ------------------------------------------------------------------------------
+SHM_DIR = "/dev/shm"
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM_DIR))
+
+
+def _shm_mapped_by_others() -> set[str]:
+    """/dev/shm names mapped by processes outside this test process's tree (another test run's
+    engines on the same machine), which this run's checks must not count."""
+    import psutil
+
+    ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped |= {line.split(SHM_DIR + "/", 1)[1].split()[0] for line in f if SHM_DIR + "/" in line}
+        except (OSError, IndexError):
+            continue
+    return mapped
+
+
+def new_shm(before: set[str]) -> set[str]:
+    """Segments created since `before` that are this run's (held by it, or by nobody: leaked)."""
+    return (shm_names() - before) - _shm_mapped_by_others()

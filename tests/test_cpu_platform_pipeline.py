@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import gc
-import os
 import re
 import threading
 from pathlib import Path
 
 import pytest
 
+from conftest import new_shm, shm_names
 from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
 
 MAX_TOKENS = 8
-SHM = Path("/dev/shm")
 
 # connector_get_sleep_s: the consumer polls that often, so each payload segment stays in
 # /dev/shm for up to that long and the watcher below can see it without racing.
@@ -43,10 +42,6 @@ stages:
 """
 
 
-def _shm_names() -> set[str]:
-    return set(os.listdir(SHM))
-
-
 class _ShmWatcher(threading.Thread):
     """Records every /dev/shm name seen while running (payload keys: {req}_{stage}_{chunk})."""
 
@@ -57,7 +52,7 @@ class _ShmWatcher(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            self.seen |= _shm_names()
+            self.seen |= shm_names()
             self._stop_event.wait(0.005)
 
     def stop(self) -> set[str]:
@@ -74,7 +69,7 @@ def echo_run(cpu_platform_tiny_qwen3, cpu_platform_plugins_loaded, tmp_path_fact
 
     deploy = Path(tmp_path_factory.mktemp("deploy")) / "echo.yaml"
     deploy.write_text(ECHO_DEPLOY)
-    before = _shm_names()
+    before = shm_names()
     omni = Omni(model=str(cpu_platform_tiny_qwen3), deploy_config=str(deploy))
     try:
         assert omni.async_chunk
@@ -90,7 +85,7 @@ def echo_run(cpu_platform_tiny_qwen3, cpu_platform_plugins_loaded, tmp_path_fact
         omni.close()
         del omni
         gc.collect()
-    after = _shm_names()
+    after = shm_names()
     # Omni names request i "{i}_{uuid}" (stage 1's own prompt ids are connector placeholders).
     prompt_of = {out.request_id: tuple(PROMPTS[int(out.request_id.split("_", 1)[0])]) for out in outs}
     return {"outs": outs, "seen": seen, "before": before, "after": after, "prompt_of": prompt_of}
@@ -115,4 +110,4 @@ def test_payload_went_through_shared_memory(echo_run):
 
 
 def test_no_shared_memory_left_after_shutdown(echo_run):
-    assert echo_run["after"] - echo_run["before"] == set()
+    assert new_shm(echo_run["before"]) == set()

@@ -7,17 +7,16 @@ holds back 10 frames of lookahead (the codec's reach), so the only difference is
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import stage_configs
+from conftest import new_shm, shm_names
 from stage_input_processors import speech_codec
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -32,7 +31,6 @@ PROMPTS = [
     "What time is it in the morning?",
     "Please say something nice about the weather today, it is sunny.",
 ]
-SHM = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +122,10 @@ def test_concurrent_requests_no_crosstalk(gen, reference):
         _assert_matches_reference(gen, reference, chunks[i], ids, kw)
 
 
-def _shm() -> set[str]:
-    return set(os.listdir(SHM))
-
-
 def test_abort_mid_stream_leaves_nothing(gen, reference):
     """Abort after the first chunk reached the client: no /dev/shm segment is left behind and the
     engine serves the next request exactly (stale processor state would corrupt its windows)."""
-    before = _shm()
+    before = shm_names()
     prompt, sampling, _ = _request(gen, PROMPTS[0], modality="audio", seed=1, max_tokens=400)
     first_chunk, done = threading.Event(), threading.Event()
 
@@ -148,8 +142,8 @@ def test_abort_mid_stream_leaves_nothing(gen, reference):
     thread.join(timeout=60)
     assert not thread.is_alive()
     deadline = time.monotonic() + 10
-    while _shm() - before:
-        assert time.monotonic() < deadline, f"shared memory left after abort: {sorted(_shm() - before)}"
+    while new_shm(before):
+        assert time.monotonic() < deadline, f"shared memory left after abort: {sorted(new_shm(before))}"
         time.sleep(0.1)
     # The engine still streams exactly afterwards.
     kw = dict(modality="audio", seed=2, max_tokens=50)
