@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave
+from vllm_omni_speechlm.delay_pattern import CodebookMap, audio_codes, deinterleave
 
 # Deployment defaults; the connector's `extra` section overrides them (stage_configs/bagpiper_streaming.yaml).
 DEFAULTS = {
@@ -161,3 +161,62 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
     if drop > 0:
         del rows[:drop]
         state["base"] += drop
+
+
+# ---- batch mode (deploy async_chunk: false): the whole clip in one stage-1 prompt --------------
+#
+# vllm-omni's orchestrator calls this (stage 1's `sync_process_input_func`) once stage 0 has
+# finished a request, with that request's output: `codes.audio` then holds every step's [1, S] row,
+# concatenated to [L, S] (the key's CONCAT_DIM0 strategy). The clip goes to stage 1 as a single
+# window with no left context and no holdback, so stage 1 decodes it whole and keeps all of it:
+# the same audio as the reference's whole-clip decoding, delivered once at the end.
+
+
+def _finished_stream_tokens(source_output: Any) -> torch.Tensor | None:
+    """[L, S] stream tokens of a finished stage-0 output, or None (no payload: nothing to decode)."""
+    completion = source_output.outputs[0] if getattr(source_output, "outputs", None) else None
+    mm = getattr(source_output, "multimodal_output", None) or getattr(completion, "multimodal_output", None) or {}
+    codes = mm.get("codes")
+    tokens = codes.get("audio") if isinstance(codes, dict) else mm.get("codes.audio")
+    if isinstance(tokens, list):  # not consolidated (a DELTA stage-0 request): the per-step rows
+        tokens = torch.cat([t.reshape(-1, t.shape[-1]) for t in tokens]) if tokens else None
+    if not isinstance(tokens, torch.Tensor) or tokens.numel() == 0:
+        return None
+    return tokens.to(torch.long).cpu()
+
+
+def speechlm2codec(
+    source_outputs: list[Any],
+    prompt: Any = None,
+    requires_multimodal_data: bool = False,
+    *,
+    target_model_config: Any = None,
+) -> list[Any]:
+    """Finished stage-0 outputs -> one stage-1 prompt per clip: flattened [T * Q] codebook indices
+    (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0.
+
+    A request that produced no audio (a text-only answer, or fewer than S audio rows) yields no
+    prompt: the orchestrator then finishes it from the final stage with empty audio, instead of
+    sending stage 1 an empty window. `target_model_config` (stage 1's model config, passed by
+    vllm-omni because this parameter is keyword-only) names the checkpoint directory.
+    """
+    from vllm_omni.inputs.data import OmniTokensPrompt
+
+    if target_model_config is None or not getattr(target_model_config, "model", None):
+        raise RuntimeError("speech_codec: speechlm2codec needs stage 1's model config (target_model_config)")
+    cfg, _ = _layout(str(target_model_config.model))
+    prompts = []
+    for source_output in source_outputs:
+        if not getattr(source_output, "finished", True):
+            continue  # batch mode decodes finished clips only
+        tokens = _finished_stream_tokens(source_output)  # [L, S]
+        codes = None if tokens is None else audio_codes(tokens.reshape(-1, cfg.num_streams), cfg)  # [T, Q]
+        if codes is None:
+            continue
+        prompts.append(
+            OmniTokensPrompt(
+                prompt_token_ids=codes.reshape(-1).tolist(),  # [T * Q], frame-major
+                additional_information={"meta": {"left_context_size": 0, "right_holdback_size": 0}},
+            )
+        )
+    return prompts

@@ -41,9 +41,12 @@ BAGPIPER_AR_PIPELINE = PipelineConfig(
     hf_config_predicate=_is_speechlm,
 )
 
-# ---- streaming: speech LM -> X-Codec decoder, audio chunks over the omni connector -------------
+# ---- two stages: speech LM -> X-Codec decoder (streamed windows, or whole clips in batch mode) ---
 CODEC_DECODER_ARCH = "BagpiperCodecDecoder"
 SPEECH_CODEC_PROCESSOR = "stage_input_processors.speech_codec.speechlm2codec_async_chunk"
+# Batch mode (deploy async_chunk: false, stage_configs/bagpiper_batch.yaml): the orchestrator hands
+# stage 1 the whole clip once stage 0 finishes. vllm-omni reads this on the consuming stage.
+SPEECH_CODEC_BATCH_PROCESSOR = "stage_input_processors.speech_codec.speechlm2codec"
 
 
 def codec_decoder_stage(**overrides) -> StagePipelineConfig:
@@ -62,15 +65,15 @@ def codec_decoder_stage(**overrides) -> StagePipelineConfig:
     return StagePipelineConfig(**(fields | overrides))
 
 
-BAGPIPER_STREAMING_PIPELINE = PipelineConfig(
-    model_type="bagpiper_streaming",  # selected by name (deploy YAML `pipeline:`), never by checkpoint
+BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
+    model_type="bagpiper_two_stage",  # by name only (deploy YAML `pipeline:`); async_chunk picks the mode
     model_arch=BAGPIPER_ARCH,
     stages=(
         speech_lm_stage(
             BAGPIPER_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
         ),
-        codec_decoder_stage(),
+        codec_decoder_stage(sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
     ),
 )
 
-PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_STREAMING_PIPELINE)
+PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_TWO_STAGE_PIPELINE)

@@ -6,7 +6,8 @@ streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR run
     preprocess[_decode_batch]  input embeds = embed(stream 0) + sum embed(streams 1..S-1 of the
                                previous step), read from the request table; note each row's slot
     forward                    the backbone (vLLM layers, PagedAttention, CUDA graphs)
-    make_omni_output           hand the runner a fresh [N, S] frame buffer (filled below)
+    make_omni_output           hand the runner per-request views of this step's [N, S] host
+                               frame buffer (filled below, copied to the host once in sample)
     compute_logits             raw stream-0 logits -> row kinds (phase machine / argmax rule);
                                streams 1..S-1 projected on their own vocabulary slices in one
                                batched matmul and sampled; stream-0 masks, top-k, temperature
@@ -142,8 +143,8 @@ class SpeechLMForCausalLM(nn.Module):
         embeds = self.model.embed_input_ids(input_ids)
         first_output = max(prompt_len - start, 0)  # span index of the first output token
         if first_output < input_ids.numel():  # outputs in the span: add their aux streams
-            out_idx = torch.arange(start + first_output - prompt_len, start + input_ids.numel() - prompt_len)
-            aux = table.aux_history[entry.slot, out_idx.to(embeds.device)]
+            lo, hi = start + first_output - prompt_len, start + input_ids.numel() - prompt_len
+            aux = table.aux_history[entry.slot, lo:hi]
             embeds[first_output:] += self._aux_embeds(aux)
         self._note_row(entry, start + input_ids.numel() - prompt_len)
         return input_ids, embeds, {}
