@@ -124,8 +124,25 @@ def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: s
 
 
 def _encode(tokenizer: _Encoder, text: str) -> list[int]:
-    enc = tokenizer.encode(text, add_special_tokens=False)
-    return list(getattr(enc, "ids", enc))  # tokenizers.Encoding or a list from transformers
+    """User text -> ids. A special token's spelling typed in the text ("<|eos|>") stays text:
+    the added tokens are matched before pre-tokenisation, so encoding with them would let a user
+    end a turn or force a modality."""
+    if isinstance(tokenizer, Tokenizer):
+        return _without_added_tokens(tokenizer).encode(text, add_special_tokens=False).ids
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+_PLAIN: dict[int, tuple[Tokenizer, Tokenizer]] = {}
+
+
+def _without_added_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """The same tokenizer with no added-token matching (cached per tokenizer object)."""
+    cached = _PLAIN.get(id(tokenizer))
+    if cached is None or cached[0] is not tokenizer:
+        spec = json.loads(tokenizer.to_str())
+        spec["added_tokens"] = []
+        cached = _PLAIN[id(tokenizer)] = (tokenizer, Tokenizer.from_str(json.dumps(spec)))
+    return cached[1]
 
 
 def decode_text(tokenizer, stream0: list[int], cfg: SpeechLMConfig) -> str | None:
