@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import CodebookMap, audio_codes, deinterleave
+from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows
 
 # Deployment defaults; the connector's `extra` section overrides them (stage_configs/bagpiper_streaming.yaml).
 DEFAULTS = {
@@ -49,10 +49,9 @@ INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
 
 
 @functools.lru_cache(maxsize=8)
-def _layout(model_dir: str) -> tuple[SpeechLMConfig, CodebookMap]:
+def _layout(model_dir: str) -> SpeechLMConfig:
     """The checkpoint's stream layout (immutable, shared by all requests)."""
-    cfg = SpeechLMConfig.from_model_dir(model_dir)
-    return cfg, CodebookMap(cfg)
+    return SpeechLMConfig.from_model_dir(model_dir)
 
 
 def _model_dir(transfer_manager: Any) -> str:
@@ -106,16 +105,7 @@ def _append_audio_row(rows: list[torch.Tensor], multimodal_output: Any, cfg: Spe
     if not isinstance(step, torch.Tensor) or step.numel() == 0:
         return
     step = step.reshape(-1, cfg.num_streams).to(torch.long)
-    s0 = cfg.streams[0]
-    for row in step:  # one row per step in practice
-        if s0.vocab_start <= int(row[0]) < s0.vocab_end:
-            rows.append(row)
-
-
-def window_codes(rows: list[torch.Tensor], cfg: SpeechLMConfig, cmap: CodebookMap) -> torch.Tensor:
-    """Interleaved rows [R][S] -> aligned codebook indices [R - S + 1, Q]."""
-    aligned = cmap.to_codes(deinterleave(torch.stack(rows)))
-    return aligned[:, -cfg.codec.num_quantizers :]
+    rows.extend(step[audio_rows(step, cfg)].unbind(0))  # one row per step in practice
 
 
 def speechlm2codec_async_chunk(
@@ -128,7 +118,7 @@ def speechlm2codec_async_chunk(
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
 
     ext_id = request.external_req_id
-    cfg, cmap = _layout(_model_dir(transfer_manager))
+    cfg = _layout(_model_dir(transfer_manager))
     settings = chunk_settings(transfer_manager)
     rows = transfer_manager.code_prompt_token_ids[ext_id]
     state = transfer_manager.request_payload.get(ext_id)
@@ -146,7 +136,8 @@ def speechlm2codec_async_chunk(
 
     left = min(settings["codec_left_context_frames"], emitted)
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
-    codes = window_codes(rows[emitted - left - state["base"] :], cfg, cmap)  # [left + new + holdback, Q]
+    # The window's rows are all audio rows, >= S of them: [left + new + holdback, Q].
+    codes = audio_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
     state["emitted"] = target
     _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
     return OmniPayloadStruct(
@@ -204,7 +195,7 @@ def speechlm2codec(
 
     if target_model_config is None or not getattr(target_model_config, "model", None):
         raise RuntimeError("speech_codec: speechlm2codec needs stage 1's model config (target_model_config)")
-    cfg, _ = _layout(str(target_model_config.model))
+    cfg = _layout(str(target_model_config.model))
     prompts = []
     for source_output in source_outputs:
         if not getattr(source_output, "finished", True):

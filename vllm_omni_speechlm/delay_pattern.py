@@ -69,14 +69,17 @@ class CodebookMap:
         return codes + self.offsets.to(codes.device)
 
 
-def audio_codes(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:
-    """[L, S] generated stream tokens -> [T, Q] codebook indices of the codec streams, or None.
-
-    Audio rows are the ones whose stream 0 is a codec token (the audio-row mask allows nothing
-    else there), so the final eos row and any text rows drop out; T = rows - (S - 1).
-    """
+def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
+    """[L, S] generated stream tokens -> [L] bool: rows whose stream 0 is a codec token (the
+    audio-row mask allows nothing else there, so the final eos row and text rows are False)."""
     s0 = cfg.streams[0]
-    rows = tokens[(tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)]
+    return (tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)
+
+
+def audio_codes(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:
+    """[L, S] generated stream tokens -> [T, Q] codebook indices of the codec streams, or None
+    (fewer than S audio rows); T = audio rows - (S - 1)."""
+    rows = tokens[audio_rows(tokens, cfg)]
     if rows.shape[0] < cfg.num_streams:
         return None
     aligned = CodebookMap(cfg, tokens.device).to_codes(deinterleave(rows))
