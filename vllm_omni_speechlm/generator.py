@@ -14,7 +14,7 @@ from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_codes
-from vllm_omni_speechlm.models.speechlm import SPEECH_PARAMS_KEY
+from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -103,8 +103,6 @@ class SpeechLMGenerator:
         if text_only and modality not in (None, "text"):
             raise ValueError(f"text_only: conflicts with modality={modality!r}")
         params = SpeechSamplingParams(modality="text" if text_only else (modality or "auto"), **sampling)
-        if params.use_cfg:
-            raise ValueError("cfg_scale: classifier-free guidance is not served yet (use 1.0)")
         requests = [self.engine_request(self.encode(p, system), params) for p in prompts]
         # One stage, one SamplingParams for the whole call (Omni takes one per stage).
         outputs = self.omni.generate([r[0] for r in requests], [requests[0][1]], use_tqdm=False)
