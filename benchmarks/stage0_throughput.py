@@ -1,12 +1,14 @@
 """Stage-0 decode throughput: Bagpiper (8 streams) on vLLM-Omni vs the plain Qwen3 text LM of the
 same backbone on vLLM, dummy weights, fixed-length generation.
 
-    python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512]
+    python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512] [--cfg]
 
 Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step) and
 ignore eos, so every request generates exactly --gen-len steps; the baseline generates
 --gen-len text tokens per request. Reported: frames/s (Bagpiper) or tok/s (text LM), and
-the ratio frames/s / tok/s per concurrency. Prints and saves JSON.
+the ratio frames/s / tok/s per concurrency. With --cfg, max(concurrency)/2 guided requests
+(cfg_scale 3) run on the same engine: their decode rows/s (main + companion) against the plain run's
+frames/s at the same row count is the cost of guidance. Prints and saves JSON.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict]:
     return results
 
 
-def bench_speech_lm(model_dir: str, args) -> dict[int, dict]:
+def bench_speech_lm(model_dir: str, args) -> dict:
+    """Plain audio requests at each concurrency, then (--cfg) max(concurrency)/2 guided requests
+    (cfg_scale 3): as many decode rows as the largest plain run, half of them hidden companions."""
     import stage_configs
     from vllm import SamplingParams
     from vllm_omni import Omni
@@ -111,26 +115,34 @@ def bench_speech_lm(model_dir: str, args) -> dict[int, dict]:
     plugin.register()
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args))
     params = SamplingParams(temperature=0.8, top_k=0, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
-    speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20}}
 
-    def requests(n: int, seed: int) -> list[dict]:
+    def requests(n: int, seed: int, cfg_scale: float = 1.0) -> list[dict]:
+        speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
         return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
 
-    results = {}
+    def timed(reqs: list[dict], label: str, rows_per_request: int) -> dict:
+        start = time.perf_counter()
+        outs = omni.generate(reqs, [params], use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert len(outs) == len(reqs)  # companions never reach the client
+        frames = 0
+        for o in outs:
+            rows = o.multimodal_output["codes"]["audio"]
+            assert rows.shape == (args.gen_len, 8), rows.shape  # every step one 8-stream frame
+            frames += rows.shape[0]
+        result = {"requests": len(reqs), "seconds": elapsed, "frames": frames, "frames_per_s": frames / elapsed}
+        result["decode_rows_per_s"] = rows_per_request * frames / elapsed
+        print(f"speech LM {label}: {frames / elapsed:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s ({elapsed:.2f} s)", flush=True)
+        return result
+
+    results: dict = {}
     try:
-        omni.generate(requests(8, 0), [params], use_tqdm=False)
+        omni.generate(requests(8, 0) + requests(4, 1, cfg_scale=3.0), [params], use_tqdm=False)
         for n in args.concurrency:
-            reqs = requests(n, n)
-            start = time.perf_counter()
-            outs = omni.generate(reqs, [params], use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            frames = 0
-            for o in outs:
-                rows = o.multimodal_output["codes"]["audio"]
-                assert rows.shape == (args.gen_len, 8), rows.shape  # every step one 8-stream frame
-                frames += rows.shape[0]
-            results[n] = {"seconds": elapsed, "frames": frames, "frames_per_s": frames / elapsed}
-            print(f"speech LM concurrency {n:4d}: {frames / elapsed:9.1f} frames/s ({elapsed:.2f} s)", flush=True)
+            results[n] = timed(requests(n, n), f"concurrency {n:4d}", 1)
+        if args.cfg:
+            pairs = max(args.concurrency) // 2
+            results["cfg_pairs"] = timed(requests(pairs, 7, cfg_scale=3.0), f"{pairs} CFG pairs", 2)
     finally:
         omni.close()
     return results
@@ -144,6 +156,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
+    ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
     args = ap.parse_args()
 
@@ -173,7 +186,9 @@ def main() -> None:
     }
     if text and speech:
         report["ratio_frames_per_text_tok"] = {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency}
-    print(json.dumps(report.get("ratio_frames_per_text_tok")), flush=True)
+    if speech and "cfg_pairs" in speech:  # pair decode rows/s vs plain frames/s at the same row count
+        report["ratio_cfg_rows_per_plain_frames"] = speech["cfg_pairs"]["decode_rows_per_s"] / speech[max(args.concurrency)]["frames_per_s"]
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

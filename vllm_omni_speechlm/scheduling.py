@@ -155,7 +155,7 @@ class _PairedCFGMixin:
             unit = self._unit(request)
             seen.update(r.request_id for r in unit)
             need_tokens = sum(r.num_tokens - r.num_computed_tokens for r in unit)
-            need_blocks = sum(_cdiv(r.num_tokens + 1, self.block_size) + 1 for r in unit)
+            need_blocks = sum(_cdiv(r.num_tokens + 1, self.block_size) for r in unit)
             fits = len(unit) <= slots and need_tokens <= tokens and need_blocks <= blocks
             slots, tokens, blocks = slots - len(unit), tokens - need_tokens, blocks - need_blocks
             if len(unit) == 1 or fits:
