@@ -5,3 +5,4 @@ ARCHITECTURES = {
     "BagpiperForCausalLM": "vllm_omni_speechlm.models.bagpiper:BagpiperForCausalLM",
 }
 ARCHITECTURES["BagpiperCodecDecoder"] = "vllm_omni_speechlm.models.codec_stage:BagpiperCodecDecoder"
+ARCHITECTURES["BagpiperFusedForCausalLM"] = "vllm_omni_speechlm.models.fused:BagpiperFusedForCausalLM"
