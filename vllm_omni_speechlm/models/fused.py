@@ -12,6 +12,9 @@ to the host once per step for `codes.audio`; the fused stage waits for that copy
 async scheduling off (stage_configs/bagpiper_fused.yaml) the runner waits for the same step's
 sampled ids right after `sample` anyway, so this adds no stall, only moves it earlier.
 
+Not supported: `ignore_eos=True` requests (the model cannot see that flag; such a request's clip
+would be decoded at its first eos and again at its end).
+
 Stream 0's history is kept per slot on the device (streams 1..S-1 already are, in the request
 table), so a finishing request's [L, S] rows are one gather: nothing is accumulated on the host.
 """
