@@ -106,7 +106,7 @@ def bench_speech_lm(model_dir: str, args) -> dict[int, dict]:
     from vllm_omni import Omni
 
     from vllm_omni_speechlm import plugin
-    from vllm_omni_speechlm.models.speechlm import SPEECH_PARAMS_KEY
+    from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args))

@@ -113,7 +113,7 @@ def stage_params(mode: str, args, seed: int) -> list:
 
 def make_prompt(args, seed: int) -> dict:
     from vllm_omni_speechlm.decoding import OutputMode
-    from vllm_omni_speechlm.models.speechlm import SPEECH_PARAMS_KEY
+    from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(256, 152192, (args.prompt_len,), generator=g).tolist()

@@ -95,6 +95,18 @@ def test_text_only_and_cut_off_requests(gen, reference):
     assert _worker_state(gen) == (0, decoded_before + 1)
 
 
+def test_guided_request_decodes_only_the_main_clip(gen, reference):
+    """CFG (the scheduler's hidden companion rides along): the main request's clip equals the
+    reference's guided audio, and the companion's clip is never decoded."""
+    _, decoded_before = _worker_state(gen)
+    kw = dict(modality="audio", cfg_scale=3.0, seed=5, max_tokens=60)
+    [guided] = gen.generate(PROMPTS[1], system=SYSTEM, **kw)
+    ref = reference.generate(gen.encode(PROMPTS[1], SYSTEM), SpeechSamplingParams(**kw))
+    assert guided["stream_token_ids"] == ref.tokens.tolist()
+    torch.testing.assert_close(guided["waveform"], ref.audio, atol=ATOL, rtol=0)
+    assert _worker_state(gen) == (0, decoded_before + 1)
+
+
 def test_generate_stream_yields_the_whole_clip_once(gen, reference):
     """Without a codec stage there is nothing to stream: one chunk, the whole clip."""
     kw = dict(modality="audio", seed=4, max_tokens=60)

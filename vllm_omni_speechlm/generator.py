@@ -22,7 +22,7 @@ from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.deploy_checks import DeployPlan
-from vllm_omni_speechlm.models.speechlm import SPEECH_PARAMS_KEY
+from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -168,8 +168,6 @@ class SpeechLMGenerator:
         if text_only and modality not in (None, "text"):
             raise ValueError(f"text_only: conflicts with modality={modality!r}")
         params = SpeechSamplingParams(modality="text" if text_only else (modality or "auto"), **sampling)
-        if params.use_cfg:
-            raise ValueError("cfg_scale: classifier-free guidance is not served yet (use 1.0)")
         return params
 
     def _codec_stage_params(self, streamed: bool) -> list[Any]:

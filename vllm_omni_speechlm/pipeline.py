@@ -11,6 +11,8 @@ from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, St
 from vllm_omni_speechlm.config import SPEECHLM_KEY
 
 BAGPIPER_ARCH = "BagpiperForCausalLM"
+# Paired CFG co-scheduling (hidden unconditional companions); plain vLLM scheduling otherwise.
+SPEECH_LM_SCHEDULER = "vllm_omni_speechlm.scheduling.PairedCFGScheduler"
 
 
 def _is_speechlm(hf_config) -> bool:
@@ -26,6 +28,7 @@ def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
         execution_type=StageExecutionType.LLM_AR,
         owns_tokenizer=True,
         model_arch=arch,
+        scheduler_cls=SPEECH_LM_SCHEDULER,
         engine_output_type="latent",
         final_output=True,
         final_output_type="text",

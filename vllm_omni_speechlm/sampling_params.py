@@ -11,6 +11,7 @@ from vllm_omni_speechlm.decoding import OutputMode
 
 MAX_TEMPERATURE = 100.0
 MAX_CFG_SCALE = 20.0  # beyond this guidance only amplifies noise
+SPEECH_PARAMS_KEY = "speech_params"  # prompt["additional_information"][SPEECH_PARAMS_KEY]: the options
 
 
 def _number(name: str, value, lo: float, hi: float) -> float:

@@ -93,7 +93,9 @@ class FusedCodecDecoding:
         entries = [self._step.entries[i] for i in rows]
         limit = torch.tensor([min(e.params.max_tokens, self._max_model_len - e.prompt_len) for e in entries])
         count = torch.tensor(generated) + 1
-        ends = (token0 == self.speech.specials.eos) | (count >= limit)
+        # A CFG companion ends with its main request; its output never reaches anyone: no clip.
+        main = torch.tensor([e.guided_by is None for e in entries])
+        ends = main & ((token0 == self.speech.specials.eos) | (count >= limit))
         return [(rows[j], generated[j] + 1) for j in torch.nonzero(ends).flatten().tolist()]
 
     @torch.inference_mode()

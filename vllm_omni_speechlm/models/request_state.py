@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import Phase, RowSampling, aux_seed
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -19,11 +20,13 @@ from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 @dataclass
 class RequestEntry:
+    req_id: str
     slot: int
     params: SpeechSamplingParams  # resolved against the checkpoint's defaults
     prompt_len: int
     aux_generator: torch.Generator | None  # None: unseeded, noise from the global RNG
     max_top_k: int  # host copy, so a step's top-k width needs no device read
+    guided_by: str | None = None  # a CFG companion: the id of the main request it guides
 
 
 class RequestTable:
@@ -33,6 +36,7 @@ class RequestTable:
         self.cfg, self.device = cfg, device
         self.max_output_len = max_output_len
         self.entries: dict[str, RequestEntry] = {}
+        self.num_companions = 0
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -68,7 +72,10 @@ class RequestTable:
         if params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(aux_seed(params.seed))
         tk, ak, ts, as_, div, budget = params.row_values()
-        entry = RequestEntry(slot, params, prompt_len, gen, max(tk, ak))
+        entry = RequestEntry(req_id, slot, params, prompt_len, gen, max(tk, ak))
+        if is_companion(req_id):
+            entry.guided_by = main_id(req_id)
+            self.num_companions += 1
         self.entries[req_id] = entry
         self.phase[slot] = int(Phase.START)
         self.mode[slot] = int(params.modality)
@@ -81,6 +88,7 @@ class RequestTable:
             entry = self.entries.pop(req_id, None)
             if entry is not None:
                 self.free.append(entry.slot)
+                self.num_companions -= entry.guided_by is not None
 
     def row_sampling(self, slots: torch.Tensor, entries: list[RequestEntry]) -> RowSampling:
         ints, floats = self.ints[slots], self.floats[slots]

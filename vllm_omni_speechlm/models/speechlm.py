@@ -33,14 +33,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, RowKind
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
-from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
 logger = init_logger(__name__)
 
-SPEECH_PARAMS_KEY = "speech_params"  # prompt["additional_information"][SPEECH_PARAMS_KEY]
 
 
 @dataclass
@@ -51,6 +51,7 @@ class StepRows:
     generated: list[int] = field(default_factory=list)  # output index of the token each row samples
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
     sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (row index, slot) of sampling rows
+    guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -94,6 +95,7 @@ class SpeechLMForCausalLM(nn.Module):
         self._frames: torch.Tensor | None = None
         self._frames_host: torch.Tensor | None = None
         self.num_resumed = 0  # re-prefills after preemption (observability, tests)
+        self.num_resumed_companions = 0
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         raise NotImplementedError
@@ -140,6 +142,7 @@ class SpeechLMForCausalLM(nn.Module):
             entry = table.admit(req_id, self._params(info), prompt_len)
         elif start == 0:  # preempted and now re-prefilled: outputs come back from the history
             self.num_resumed += 1
+            self.num_resumed_companions += entry.guided_by is not None
         embeds = self.model.embed_input_ids(input_ids)
         first_output = max(prompt_len - start, 0)  # span index of the first output token
         if first_output < input_ids.numel():  # outputs in the span: add their aux streams
@@ -231,9 +234,16 @@ class SpeechLMForCausalLM(nn.Module):
         generated = _to_device(step.generated, raw.device).clamp_(max=table.max_output_len - 1)
         rows = table.row_sampling(slots, step.entries)
         kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows)
+        aux_logits = self._aux_logits(hidden_states)
+        step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
+        if step.guided is not None:
+            raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, step.guided)
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
-        aux = rules.sample_aux_streams(self._aux_logits(hidden_states), rows, noise) + self.aux_start
+        aux = rules.sample_aux_streams(aux_logits, rows, noise) + self.aux_start
         aux = torch.where(kinds[:, None] == RowKind.AUDIO, aux, self.speech.specials.pad)
+        if step.guided is not None:  # the companion is fed the main's tokens
+            main, companion, _ = step.guided
+            aux[companion] = aux[main]
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
         idx = _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
@@ -241,12 +251,45 @@ class SpeechLMForCausalLM(nn.Module):
         table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
         return rules.process_primary_logits(raw, kinds, rows)
 
+    def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
+        """(main row, companion row, cfg scale) of this step's CFG pairs, or None. The scheduler
+        schedules a pair's members together, so both rows sample the same output position."""
+        row = {e.req_id: i for i, e in enumerate(step.entries)}
+        pairs = [
+            (row[e.guided_by], i, step.entries[row[e.guided_by]].params.cfg_scale)
+            for i, e in enumerate(step.entries)
+            if e.guided_by in row and step.samples[i]
+        ]
+        if not pairs:
+            return None
+        main, companion, scale = zip(*pairs)
+        scale = torch.tensor(scale, dtype=torch.float32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        return _to_device(list(main), device), _to_device(list(companion), device), scale
+
+    @staticmethod
+    def _merge_guided(raw: torch.Tensor, aux: torch.Tensor, kinds: torch.Tensor, guided: tuple) -> tuple:
+        """CFG on the main rows' raw logits, every stream, audio rows only (the row kind was read
+        from the conditional logits, so modality choices are never guided). Companion rows take
+        their main's kind: whatever they sample is replaced by the main's tokens."""
+        main, companion, scale = guided
+        kinds[companion] = kinds[main]
+        audio = kinds[main] == RowKind.AUDIO
+        raw, aux = raw.float(), aux.float()
+        merged = merge_guided(raw[main], raw[companion], scale[:, None])
+        raw[main] = torch.where(audio[:, None], merged, raw[main])
+        merged = merge_guided(aux[main], aux[companion], scale[:, None, None])
+        aux[main] = torch.where(audio[:, None, None], merged, aux[main])
+        return raw, aux
+
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         out = self.sampler(logits, sampling_metadata)
         if self._step.sampled is None:
             return out
         idx, slots = self._step.sampled
         table, rules = self._state()
+        if self._step.guided is not None:  # in place: vLLM feeds these ids to the next step
+            main, companion, _ = self._step.guided
+            out.sampled_token_ids[companion] = out.sampled_token_ids[main]
         token = out.sampled_token_ids[:, 0].long()
         self._frames[:, 0] = token
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from vllm_omni_speechlm.cfg import merge_guided, unconditional_prompt
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, aux_seed
@@ -98,7 +99,7 @@ class ReferenceSpeechLM:
     @staticmethod
     def cfg_merge(logits: torch.Tensor, scale: float) -> torch.Tensor:
         """[2, ...] (cond, uncond) -> [1, ...]: w * cond + (1 - w) * uncond."""
-        return scale * logits[:1] + (1.0 - scale) * logits[1:2]
+        return merge_guided(logits[:1], logits[1:2], scale)
 
     # ---- generation -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -113,7 +114,7 @@ class ReferenceSpeechLM:
         mode = torch.tensor([int(p.modality)], device=self.device)
         phase = torch.tensor([int(Phase.START)], device=self.device)
 
-        branches = [prompt_ids] + ([[cfg.specials.pad] * len(prompt_ids)] if p.use_cfg else [])
+        branches = [prompt_ids] + ([unconditional_prompt(prompt_ids, cfg.specials.pad)] if p.use_cfg else [])
         prompt = torch.zeros(len(branches), len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
         prompt[..., 0] = torch.tensor(branches, device=self.device)
         cache = self.backbone.new_cache()

@@ -1,0 +1,228 @@
+"""Stage-0 scheduler with paired CFG co-scheduling.
+
+A request whose speech options ask for guidance (`cfg_scale > 1`) gets a hidden unconditional
+companion (`cfg.py`), created here when the request arrives. The pair is one scheduling unit:
+
+* admitted together: a pair whose two prompts do not both fit (slots, KV blocks, token budget)
+  is held out of the waiting queue for that step, so requests behind it still run (no
+  head-of-line blocking); after `MAX_PAIR_HOLD_STEPS` held steps nothing behind it is admitted
+  until it fits (no starvation);
+* preempted together: before vLLM's own scheduling pass, if the running requests' next blocks do
+  not fit, whole units are preempted from the back of the running queue (vLLM would otherwise
+  preempt one member and split the pair);
+* finished and aborted together, and the companion's outputs never leave the EngineCore (nor
+  reach the async_chunk connector).
+
+Both members prefill completely in one step (chunked prefill is off) and then decode one token
+per step, so they always sample the same output position in the same step. The all-pad
+unconditional prompts are identical across pairs of equal length, so with prefix caching on they
+share KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
+from vllm_omni.engine.serialization import deserialize_additional_information
+from vllm_omni.request import OmniRequest
+
+from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_prompt, wants_guidance
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
+
+logger = init_logger(__name__)
+
+MAX_PAIR_HOLD_STEPS = 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _PairedCFGMixin:
+    """Pair bookkeeping on top of vllm-omni's AR scheduler (sync or async variant)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.partner: dict[str, str] = {}  # both directions: main <-> companion
+        self._held_steps: dict[str, int] = {}  # main id -> consecutive steps held back
+        self._orphans: set[str] = set()  # pair members whose partner finished first
+        self._pad = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config).specials.pad
+        adapter = getattr(self, "chunk_transfer_adapter", None)
+        if adapter is not None:  # companions have nothing to send downstream
+            send = adapter.save_async
+            adapter.save_async = lambda output=None, request=None, *a, **kw: (
+                None if request is not None and is_companion(request.request_id) else send(output, request, *a, **kw)
+            )
+
+    # ---- arrival ----------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        if self._wants_guidance(request):
+            companion = self._companion_of(request)
+            self.partner[request.request_id] = companion.request_id
+            self.partner[companion.request_id] = request.request_id
+            super().add_request(companion)
+
+    @staticmethod
+    def _wants_guidance(request: Any) -> bool:
+        payload = getattr(request, "additional_information", None)
+        info = deserialize_additional_information(payload) if payload is not None else {}
+        return wants_guidance(info.get(SPEECH_PARAMS_KEY))
+
+    def _companion_of(self, main: Any) -> OmniRequest:
+        return OmniRequest(
+            request_id=companion_id(main.request_id),
+            external_req_id=companion_id(main.external_req_id or main.request_id),
+            client_index=main.client_index,
+            prompt_token_ids=unconditional_prompt(main.prompt_token_ids, self._pad),
+            sampling_params=main.sampling_params.clone(),
+            pooling_params=None,
+            arrival_time=main.arrival_time,
+            priority=main.priority,
+            block_hasher=main._block_hasher,
+            additional_information=main.additional_information,
+        )
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._finish_orphans()
+        if not self.partner:
+            return super().schedule(*args, **kwargs)
+        self._preempt_units_for_room()
+        held = self._hold_pairs_that_do_not_fit()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            for request in reversed(held):
+                self.waiting.prepend_request(request)
+        self._check_lockstep(output)
+        return output
+
+    def _unit(self, request: Any) -> list[Any]:
+        """The request and, for a pair member, its partner (main first)."""
+        other = self.requests.get(self.partner.get(request.request_id, ""))
+        if other is None:
+            return [request]
+        return [other, request] if is_companion(request.request_id) else [request, other]
+
+    def _new_blocks(self, request: Any) -> int:
+        """KV blocks `request` may allocate in its next step (decode: one token, plus in-flight
+        async outputs; conservative)."""
+        tokens = request.num_computed_tokens + request.num_output_placeholders + 2
+        (owned,) = self.kv_cache_manager.get_block_ids(request.request_id)[:1]
+        return max(0, _cdiv(tokens, self.block_size) - len(owned))
+
+    def _spare_blocks(self) -> int:
+        manager = self.kv_cache_manager
+        return manager.block_pool.get_num_free_blocks() - manager.watermark_blocks
+
+    def _preempt_units_for_room(self) -> None:
+        """Preempt whole units from the back of the running queue until every running request's
+        next step fits, so vLLM's pass never has to preempt a lone pair member."""
+        free = self._spare_blocks()
+        if free >= 2 * len(self.running):  # the common case, without a per-request walk
+            return
+        need = sum(self._new_blocks(r) for r in self.running)
+        while need > free and len(self.running) > 1:
+            unit = self._unit(self.running[-1])
+            for request in unit:
+                if request in self.running:
+                    need -= self._new_blocks(request)
+                    self.running.remove(request)
+                    self._preempt_request(request, time.monotonic())
+            free = self._spare_blocks()
+            self.waiting.remove_requests(unit)  # keep the pair adjacent, main first
+            for request in reversed(unit):
+                self.waiting.prepend_request(request)
+
+    def _hold_pairs_that_do_not_fit(self) -> list[Any]:
+        """Take pairs that cannot be admitted together out of the waiting queue for this step.
+        Requests ahead of a pair are budgeted conservatively (whole prompt, no cache hits), so a
+        pair judged to fit is never split by vLLM's admission loop."""
+        slots = self.max_num_running_reqs - len(self.running)
+        tokens = self.max_num_scheduled_tokens - len(self.running)
+        blocks = self._spare_blocks() - sum(self._new_blocks(r) for r in self.running)
+        held: list[Any] = []
+        seen: set[str] = set()
+        for request in list(self.waiting):
+            if request.request_id in seen:
+                continue
+            unit = self._unit(request)
+            seen.update(r.request_id for r in unit)
+            need_tokens = sum(r.num_tokens - r.num_computed_tokens for r in unit)
+            need_blocks = sum(_cdiv(r.num_tokens + 1, self.block_size) + 1 for r in unit)
+            fits = len(unit) <= slots and need_tokens <= tokens and need_blocks <= blocks
+            slots, tokens, blocks = slots - len(unit), tokens - need_tokens, blocks - need_blocks
+            if len(unit) == 1 or fits:
+                self._held_steps.pop(unit[0].request_id, None)
+                continue
+            steps = self._held_steps[unit[0].request_id] = self._held_steps.get(unit[0].request_id, 0) + 1
+            if steps > MAX_PAIR_HOLD_STEPS:  # starving: admit nothing behind it until it fits
+                rest = list(self.waiting)
+                held += rest[rest.index(unit[0]) :]
+                break
+            held += unit
+        self.waiting.remove_requests(held)
+        return held
+
+    def _check_lockstep(self, output: Any) -> None:
+        scheduled = output.num_scheduled_tokens
+        for main, companion in self.partner.items():
+            if not is_companion(companion):
+                continue
+            if (main in scheduled) != (companion in scheduled):
+                raise RuntimeError(f"CFG pair {main}: only one member was scheduled (pair invariant broken)")
+
+    # ---- results and finishing --------------------------------------------------------------
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        had_pairs = bool(self.partner)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._finish_orphans()
+        if not had_pairs:
+            return outputs
+        for engine_outputs in outputs.values():
+            engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
+            if engine_outputs.finished_requests:
+                engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        if request_ids is not None:
+            ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+            request_ids = ids | {self.partner[i] for i in ids if i in self.partner}
+        return super().finish_requests(request_ids, finished_status)
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """Every finish path (stop, length, abort, error) ends here. A partner still alive is an
+        orphan (it cannot decode alone); `_finish_orphans` ends it outside vLLM's finish loop."""
+        other = self.partner.pop(request.request_id, None)
+        self._held_steps.pop(request.request_id, None)
+        if other in self.partner:
+            self._orphans.add(other)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _finish_orphans(self) -> None:
+        orphans, self._orphans = self._orphans, set()
+        alive = [rid for rid in orphans if rid in self.requests and not self.requests[rid].is_finished()]
+        if alive:
+            super().finish_requests(alive, RequestStatus.FINISHED_ABORTED)
+
+
+class PairedCFGScheduler(_PairedCFGMixin, OmniARScheduler):
+    """Synchronous scheduling variant."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # One dotted path for the pipeline; the variant follows the engine's async setting.
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is PairedCFGScheduler and vllm_config.scheduler_config.async_scheduling:
+            return PairedCFGAsyncScheduler(*args, **kwargs)
+        return super().__new__(cls)
+
+
+class PairedCFGAsyncScheduler(_PairedCFGMixin, OmniARAsyncScheduler):
+    """Asynchronous scheduling variant (vLLM's default on GPU)."""
