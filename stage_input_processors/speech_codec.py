@@ -36,14 +36,11 @@ import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows
+from vllm_omni_speechlm.deploy_checks import WINDOW_DEFAULTS, window_settings
 
 # Deployment defaults; the connector's `extra` section overrides them (stage_configs/bagpiper_streaming.yaml).
-DEFAULTS = {
-    "codec_chunk_frames": 25,
-    "codec_left_context_frames": 25,
-    "codec_right_holdback_frames": 10,
-    "initial_codec_chunk_frames": 0,  # 0: the first window is a full chunk
-}
+# Validated at engine start-up too (vllm_omni_speechlm/deploy_checks.py), where errors reach the user.
+DEFAULTS = WINDOW_DEFAULTS
 # Per-request override of the first window, in the prompt's additional_information.
 INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
 
@@ -66,15 +63,7 @@ def chunk_settings(transfer_manager: Any) -> dict[str, int]:
     """DEFAULTS overridden by the connector's `extra` section; a bad value names its key."""
     raw = getattr(transfer_manager.connector, "config", None) or {}
     extra = raw.get("extra", raw) if isinstance(raw, dict) else {}
-    out = {}
-    for key, default in DEFAULTS.items():
-        value = extra.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"connector extra: {key} must be a non-negative int, got {value!r}")
-        out[key] = value
-    if out["codec_chunk_frames"] < 1:
-        raise ValueError(f"connector extra: codec_chunk_frames must be >= 1, got {out['codec_chunk_frames']}")
-    return out
+    return window_settings(extra)
 
 
 def _request_initial_chunk(request: Any) -> int | None:

@@ -152,6 +152,42 @@ def test_abort_mid_stream_leaves_nothing(gen, reference):
     _assert_matches_reference(gen, reference, chunks, ids, kw)
 
 
+# ---- SpeechLMGenerator on the streaming deployment ----------------------------------------------
+
+
+def test_generator_stream_equals_non_streamed_audio(gen, reference):
+    """`generate_stream` yields the windows as they are decoded (only new samples each); joined,
+    they equal `generate`'s audio on the same deployment (stage 1's outputs consolidated) and the
+    reference's whole-clip decoding."""
+    kw = dict(modality="audio", seed=6, max_tokens=90)
+    chunks = list(gen.generate_stream(PROMPTS[1], system=SYSTEM, **kw))
+    assert [c.numel() // HOP for c in chunks[:2]] == [10, 25] and len(chunks) >= 3
+    [whole] = gen.generate(PROMPTS[1], system=SYSTEM, **kw)
+    streamed = torch.cat(chunks)
+    assert whole["waveform"] is not None and streamed.shape == whole["waveform"].shape
+    torch.testing.assert_close(streamed, whole["waveform"], atol=ATOL, rtol=0)
+    ref = reference.generate(gen.encode(PROMPTS[1], SYSTEM), SpeechSamplingParams(**kw))
+    torch.testing.assert_close(streamed, ref.audio, atol=ATOL, rtol=0)
+
+
+def test_generator_stream_closed_early_aborts(gen, reference):
+    """Stopping after the first chunk aborts the request: no shared memory is left and the next
+    stream is exact."""
+    before = shm_names()
+    stream = gen.generate_stream(PROMPTS[0], system=SYSTEM, modality="audio", seed=1, max_tokens=400)
+    assert next(stream).numel() == 10 * HOP
+    stream.close()
+    assert not gen.omni.request_states
+    deadline = time.monotonic() + 10
+    while new_shm(before):
+        assert time.monotonic() < deadline, f"shared memory left after close: {sorted(new_shm(before))}"
+        time.sleep(0.1)
+    kw = dict(modality="audio", seed=2, max_tokens=50)
+    streamed = torch.cat(list(gen.generate_stream(PROMPTS[1], system=SYSTEM, **kw)))
+    ref = reference.generate(gen.encode(PROMPTS[1], SYSTEM), SpeechSamplingParams(**kw))
+    torch.testing.assert_close(streamed, ref.audio, atol=ATOL, rtol=0)
+
+
 # ---- the processor alone (no engine) -----------------------------------------------------------
 
 

@@ -1,8 +1,15 @@
-"""`SpeechLMGenerator`: offline generation on vLLM-Omni (stage 0), audio decoded in-process."""
+"""`SpeechLMGenerator`: offline generation on vLLM-Omni.
+
+Any deploy YAML of stage_configs/ works: with `speech_lm_only.yaml` (the default) the audio is
+decoded in-process from the returned codes; with `bagpiper_fused.yaml` it comes decoded from the
+engine; with the two-stage ones (`bagpiper_streaming.yaml`, `bagpiper_batch.yaml`) it comes from the
+codec stage, and `generate_stream` yields it window by window as it is decoded.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,6 +21,7 @@ from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_codes
+from vllm_omni_speechlm.deploy_checks import DeployPlan
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
@@ -25,6 +33,18 @@ def _stream_tokens(output: Any) -> torch.Tensor:
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes.audio: expected a tensor, got {type(codes).__name__}")
     return codes.to(torch.long).cpu()
+
+
+def _waveform(output: Any) -> torch.Tensor | None:
+    """The `audio` of an output as one [N] float32 tensor (pieces in order), or None."""
+    audio = (output.multimodal_output or {}).get("audio")
+    if isinstance(audio, list):  # not consolidated: the pieces in order
+        audio = torch.cat([a.reshape(-1) for a in audio]) if audio else None
+    if audio is None:
+        return None
+    if not isinstance(audio, torch.Tensor):
+        raise TypeError(f"audio: expected a tensor, got {type(audio).__name__}")
+    return audio.reshape(-1).float().cpu()
 
 
 class SpeechLMGenerator:
@@ -45,6 +65,8 @@ class SpeechLMGenerator:
         self.tokenizer = Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
         self.codec = XCodecDecoder.from_pretrained(os.path.join(self.model_dir, self.cfg.codec.path)).eval()
         deploy = deploy_config or stage_configs.path("speech_lm_only.yaml")
+        # What the stages return, and a clear error for a YAML that cannot work, before any engine.
+        self.plan = DeployPlan.from_yaml(deploy, async_chunk=engine_kwargs.get("async_chunk"))
         self.omni = Omni(model=self.model_dir, deploy_config=deploy, **engine_kwargs)
 
     def close(self) -> None:
@@ -91,8 +113,9 @@ class SpeechLMGenerator:
         modality: str | None = None,
         **sampling: Any,
     ) -> list[dict[str, Any]]:
-        """One dict per prompt: text, audio (base64 16 kHz PCM16 WAV), finish_reason, token_ids
-        (stream 0) and stream_token_ids ([L][S], every stream of every step).
+        """One dict per prompt: text, audio (base64 16 kHz PCM16 WAV), waveform (the same audio as a
+        float32 tensor, or None), finish_reason, token_ids (stream 0) and stream_token_ids ([L][S],
+        every stream of every step).
 
         `sampling`: cfg_scale, text_temperature, text_top_k, audio_temperature, audio_top_k,
         max_tokens, max_text_tokens, seed (see SpeechSamplingParams). `text_only=True` is
@@ -100,28 +123,89 @@ class SpeechLMGenerator:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts: expected a non-empty string or list of strings")
-        if text_only and modality not in (None, "text"):
-            raise ValueError(f"text_only: conflicts with modality={modality!r}")
-        params = SpeechSamplingParams(modality="text" if text_only else (modality or "auto"), **sampling)
-        requests = [self.engine_request(self.encode(p, system), params) for p in prompts]
-        # One stage, one SamplingParams for the whole call (Omni takes one per stage).
-        outputs = self.omni.generate([r[0] for r in requests], [requests[0][1]], use_tqdm=False)
+        requests = [self.engine_request(self.encode(p, system), self._params(text_only, modality, sampling)) for p in prompts]
+        # One SamplingParams per stage for the whole call (Omni takes one per stage).
+        stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
+        outputs = self.omni.generate([r[0] for r in requests], stage_params, use_tqdm=False)
         # Omni names request i "{i}_{uuid}" and returns them in completion order.
         outputs = sorted(outputs, key=lambda o: int(o.request_id.split("_", 1)[0]))
         return [self.result(o) for o in outputs]
 
+    def generate_stream(
+        self,
+        prompt: str,
+        *,
+        system: str | None = None,
+        text_only: bool = False,
+        modality: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the answer's 16 kHz audio as it is decoded: [N_i] float32 chunks, each only new
+        samples; together they are the whole clip (what `generate` returns as `waveform`).
+
+        With a streaming deployment (`bagpiper_streaming.yaml`) a chunk is one window (the first
+        after ~10 frames); with any other deployment the whole clip is one chunk at the end.
+        Closing the iterator early aborts the request. Options as in `generate`."""
+        request = self.engine_request(self.encode(prompt, system), self._params(text_only, modality, sampling))
+        if not self.plan.two_stage:
+            [result] = self.generate(prompt, system=system, text_only=text_only, modality=modality, **sampling)
+            if result["waveform"] is not None:
+                yield result["waveform"]
+            return
+        stage_params = [request[1], *self._codec_stage_params(streamed=True)]
+        finished = False
+        try:
+            for output in self.omni.generate([request[0]], stage_params, py_generator=True, use_tqdm=False):
+                finished = finished or bool(getattr(output, "finished", False))
+                chunk = _waveform(output)
+                if chunk is not None and chunk.numel():
+                    yield chunk
+        finally:
+            if not finished:  # the caller stopped early (or failed): free the request's stages
+                self.omni.engine.abort(list(self.omni.request_states))
+
+    def _params(self, text_only: bool, modality: str | None, sampling: dict) -> SpeechSamplingParams:
+        if text_only and modality not in (None, "text"):
+            raise ValueError(f"text_only: conflicts with modality={modality!r}")
+        params = SpeechSamplingParams(modality="text" if text_only else (modality or "auto"), **sampling)
+        return params
+
+    def _codec_stage_params(self, streamed: bool) -> list[Any]:
+        """Stage 1's SamplingParams in two-stage deployments (none otherwise): DELTA gives one
+        output per decoded window, FINAL_ONLY the whole clip in one output."""
+        if not self.plan.two_stage:
+            return []
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
+        return [SamplingParams(temperature=0.0, max_tokens=1, output_kind=kind)]
+
     def result(self, output: Any) -> dict[str, Any]:
+        """One output -> the result dict of `generate`. Two-stage deployments return only the
+        codec stage's audio to the client (text, finish_reason and token ids are None/empty)."""
+        if self.plan.two_stage:
+            waveform = _waveform(output)
+            return self._result_dict(None, waveform, None, [], [])
         tokens = _stream_tokens(output)
         completion = output.outputs[0]
-        codes = audio_codes(tokens, self.cfg)
-        audio = None
+        waveform = _waveform(output)  # the fused stage decoded it already
+        codes = audio_codes(tokens, self.cfg) if waveform is None else None
         if codes is not None:
             with torch.inference_mode():
-                audio = to_wav_base64(self.codec(codes.T[None])[0], self.cfg.codec.sample_rate)
+                waveform = self.codec(codes.T[None])[0].float()
+        text = decode_text(self.tokenizer, tokens[:, 0].tolist(), self.cfg)
+        return self._result_dict(text, waveform, completion.finish_reason, list(completion.token_ids), tokens.tolist())
+
+    def _result_dict(self, text, waveform, finish_reason, token_ids, stream_token_ids) -> dict[str, Any]:
+        if waveform is not None and waveform.numel() == 0:
+            waveform = None  # a text-only answer
+        audio = None if waveform is None else to_wav_base64(waveform, self.cfg.codec.sample_rate)
         return {
-            "text": decode_text(self.tokenizer, tokens[:, 0].tolist(), self.cfg),
+            "text": text,
             "audio": audio,
-            "finish_reason": completion.finish_reason,
-            "token_ids": list(completion.token_ids),
-            "stream_token_ids": tokens.tolist(),
+            "waveform": waveform,
+            "finish_reason": finish_reason,
+            "token_ids": token_ids,
+            "stream_token_ids": stream_token_ids,
         }

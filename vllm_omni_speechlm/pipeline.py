@@ -79,4 +79,14 @@ BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
     ),
 )
 
-PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_TWO_STAGE_PIPELINE)
+# ---- one stage, fused: the speech LM stage decodes each finished clip itself -------------------
+BAGPIPER_FUSED_ARCH = "BagpiperFusedForCausalLM"
+
+BAGPIPER_FUSED_PIPELINE = PipelineConfig(
+    model_type="bagpiper_fused",  # by name only (deploy YAML `pipeline:`)
+    model_arch=BAGPIPER_FUSED_ARCH,
+    # Text (stream 0), `codes.audio` every step, and `audio` + `sr` in the step a request ends.
+    stages=(speech_lm_stage(BAGPIPER_FUSED_ARCH),),
+)
+
+PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_TWO_STAGE_PIPELINE, BAGPIPER_FUSED_PIPELINE)

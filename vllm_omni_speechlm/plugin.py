@@ -31,3 +31,7 @@ def register_speech_lms() -> None:
     for pipeline in PIPELINES:
         if pipeline.model_type not in OMNI_PIPELINES:
             register_pipeline(pipeline)
+    from vllm_omni_speechlm.deploy_checks import register_startup_checks
+    from vllm_omni_speechlm.models import CODEC_ARCHITECTURES
+
+    register_startup_checks([a for a in ARCHITECTURES if a not in CODEC_ARCHITECTURES], list(CODEC_ARCHITECTURES))

@@ -615,6 +615,22 @@ def random_decoder_state(config: XCodecDecoderConfig, seed: int) -> dict[str, to
     return state
 
 
+def write_random_xcodec(
+    out_dir: str | os.PathLike, config: XCodecDecoderConfig, seed: int, **xcodec_dict_kwargs: Any
+) -> None:
+    """Write a random decoder checkpoint of geometry `config` to `out_dir` (config.json in
+    XcodecConfig's format + model.safetensors with the decoder's tensors only). Same seed ->
+    byte-identical files. `XCodecDecoderConfig()` is the released X-Codec geometry (benchmarks)."""
+    from safetensors.torch import save_file
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config.to_xcodec_dict(**xcodec_dict_kwargs), f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file(random_decoder_state(config, seed), os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
 def write_tiny_xcodec(out_dir: str | os.PathLike, seed: int) -> None:
     """Write a tiny random decoder checkpoint to `out_dir` (config.json + model.safetensors).
 
@@ -622,18 +638,9 @@ def write_tiny_xcodec(out_dir: str | os.PathLike, seed: int) -> None:
     XcodecConfig's format (transformers' XcodecModel can be built from it; the tiny HuBERT in it
     is never run by us). The weights are the decoder's only. Same seed -> byte-identical files.
     """
-    from safetensors.torch import save_file
-
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    config_dict = TINY_CONFIG.to_xcodec_dict(
-        semantic_model_config=_TINY_SEMANTIC_MODEL_CONFIG, encoder_hidden_size=4
+    write_random_xcodec(
+        out_dir, TINY_CONFIG, seed, semantic_model_config=_TINY_SEMANTIC_MODEL_CONFIG, encoder_hidden_size=4
     )
-    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(config_dict, f, indent=2, sort_keys=True)
-        f.write("\n")
-    save_file(random_decoder_state(TINY_CONFIG, seed), os.path.join(out_dir, WEIGHTS_NAME),
-              metadata={"format": "pt"})
 
 
 @torch.no_grad()
@@ -664,6 +671,7 @@ __all__ = [
     "XCodecDecoderConfig",
     "XCodecDecoder",
     "write_tiny_xcodec",
+    "write_random_xcodec",
     "random_decoder_state",
     "measure_receptive_field",
     "TINY_CONFIG",

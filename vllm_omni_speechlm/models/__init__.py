@@ -3,5 +3,8 @@
 # architecture name in config.json -> "module:class"
 ARCHITECTURES = {
     "BagpiperForCausalLM": "vllm_omni_speechlm.models.bagpiper:BagpiperForCausalLM",
+    "BagpiperFusedForCausalLM": "vllm_omni_speechlm.models.fused:BagpiperFusedForCausalLM",
+    "BagpiperCodecDecoder": "vllm_omni_speechlm.models.codec_stage:BagpiperCodecDecoder",
 }
-ARCHITECTURES["BagpiperCodecDecoder"] = "vllm_omni_speechlm.models.codec_stage:BagpiperCodecDecoder"
+# Codec stages; the other architectures are speech LM stages.
+CODEC_ARCHITECTURES = ("BagpiperCodecDecoder",)
