@@ -38,6 +38,7 @@ def gen(tiny_bagpiper):
 def _request(gen, prompt: str, **kw):
     ids = gen.encode(prompt, SYSTEM)
     engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**kw))
+    engine_prompt["modalities"] = ["audio"]  # stage 1's output only (stage 0's text is a final output too)
     return engine_prompt, sampling, ids
 
 

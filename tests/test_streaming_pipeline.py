@@ -44,6 +44,7 @@ def gen(tiny_bagpiper):
 def _request(gen, prompt: str, extra_info: dict | None = None, **kw):
     ids = gen.encode(prompt, SYSTEM)
     engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**kw))
+    engine_prompt["modalities"] = ["audio"]  # stage 1's output only (stage 0's text is a final output too)
     engine_prompt["additional_information"] |= extra_info or {}
     return engine_prompt, sampling, ids
 

@@ -11,6 +11,9 @@ from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, St
 from vllm_omni_speechlm.config import SPEECHLM_KEY
 
 BAGPIPER_ARCH = "BagpiperForCausalLM"
+# Stage names (`model_stage`): the API server finds the speech stage by them (serving/speech.py).
+SPEECH_LM_STAGE = "speech_lm"
+CODEC_STAGE = "codec"
 
 
 def _is_speechlm(hf_config) -> bool:
@@ -22,7 +25,7 @@ def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
     [1, S] row of all streams per generated token."""
     fields = dict(
         stage_id=0,
-        model_stage="speech_lm",
+        model_stage=SPEECH_LM_STAGE,
         execution_type=StageExecutionType.LLM_AR,
         owns_tokenizer=True,
         model_arch=arch,
@@ -54,7 +57,7 @@ def codec_decoder_stage(**overrides) -> StagePipelineConfig:
     indices from stage 0's processor; its client output is the window's new 16 kHz audio."""
     fields = dict(
         stage_id=1,
-        model_stage="codec",
+        model_stage=CODEC_STAGE,
         execution_type=StageExecutionType.LLM_GENERATION,
         input_sources=(0,),
         model_arch=CODEC_DECODER_ARCH,
@@ -69,9 +72,9 @@ BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
     model_type="bagpiper_two_stage",  # by name only (deploy YAML `pipeline:`); async_chunk picks the mode
     model_arch=BAGPIPER_ARCH,
     stages=(
-        speech_lm_stage(
-            BAGPIPER_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
-        ),
+        # Both stages are final outputs: stage 0 gives the text, stage 1 the audio. A request picks
+        # what it gets by its output modalities (["audio"]: audio only, stage 0 is not returned).
+        speech_lm_stage(BAGPIPER_ARCH, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR),
         codec_decoder_stage(sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
     ),
 )
