@@ -97,9 +97,9 @@ def _check_audio_param(request: Any) -> None:
 
 
 def _check_fields(request: Any) -> None:
-    extra = set(request.model_extra or {})
-    for name in sorted((set(request.model_fields_set) | extra) - ACCEPTED_FIELDS):
-        raise BadRequest(f"{name}: not supported by this model's chat completions")
+    unsupported = sorted((set(request.model_fields_set) | set(request.model_extra or {})) - ACCEPTED_FIELDS)
+    if unsupported:
+        raise BadRequest(f"{', '.join(unsupported)}: not supported by this model's chat completions")
     if request.stream:
         raise BadRequest("stream: not supported for chat; use /v1/audio/speech with stream=true for streamed audio")
     if request.n not in (None, 1):
