@@ -10,6 +10,9 @@ chunks fed to a streaming, autoplaying audio player as they arrive.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 import time
 
 import gradio as gr
@@ -78,12 +81,25 @@ def build(server: str) -> gr.Blocks:
     return demo
 
 
+def ensure_ffmpeg() -> None:
+    """Gradio encodes streamed audio with an `ffmpeg` process. Without one on PATH, use the binary
+    that the imageio-ffmpeg wheel ships (already in the pinned stack)."""
+    if shutil.which("ffmpeg"):
+        return
+    import imageio_ffmpeg
+
+    bin_dir = tempfile.mkdtemp(prefix="speechlm-ffmpeg-")
+    os.symlink(imageio_ffmpeg.get_ffmpeg_exe(), os.path.join(bin_dir, "ffmpeg"))
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default="http://localhost:8000", help="the vllm-omni server's base URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=7860)
     args = parser.parse_args()
+    ensure_ffmpeg()
     build(args.server).queue().launch(server_name=args.host, server_port=args.port, share=False)
 
 
