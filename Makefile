@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  := $(VENV)/.stack-installed
 PROJ   := $(VENV)/.project-installed
-# The browser the demo test drives (tests/test_serving_demo.py): Debian's chromium, installed with
+# The browser the demo test drives (tests/test_serving_api.py): Debian's chromium, installed with
 # apt only if missing (Playwright's own browser download needs the internet). CI runs as root.
 BROWSER := $(VENV)/.browser-installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server: `vllm serve TINY --omni --deploy-config bagpiper_streaming_cpu_tiny.yaml`.
 
 One real server for the module (tiny checkpoint, float32 on CPU), driven over HTTP by the OpenAI
-Python SDK and httpx. Audio is checked against the plain-PyTorch reference (same prompt, same
+Python SDK and httpx, and through the Gradio demo in headless Chromium. Audio is checked against the plain-PyTorch reference (same prompt, same
 seed): non-streaming, raw-audio streaming and SSE must all carry exactly the reference's waveform.
 """
 
@@ -11,20 +11,28 @@ import asyncio
 import base64
 import io
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 import wave
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from conftest import new_shm, shm_names, start_speechlm_server
+from vllm_omni_speechlm.serving.launch import free_port
 from vllm_omni_speechlm.audio import to_pcm16
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving.speech import DEFAULT_SYSTEM
 from vllm_omni_speechlm.tokenizer import encode_prompt
 
 DEPLOY = "bagpiper_streaming_cpu_tiny.yaml"
+DEMO = Path(__file__).resolve().parent.parent / "examples" / "gradio_demo.py"
 TEXT = "Say hello to the world."
 
 
@@ -315,6 +323,85 @@ def test_concurrent_streams_with_disconnects_leave_nothing(server, client, refer
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
     _assert_pcm_equal(client.audio.speech.create(**_speech(client)).content,
                       _reference_pcm(reference, TEXT, modality="audio", seed=3, max_tokens=120))
+
+
+# ---- the Gradio demo in a real headless browser -------------------------------------------------
+# Debian's Chromium (`make browser`) driven by Playwright through `executable_path` (Playwright's
+# own browser download cannot work offline): the page loads, a request streams, audio reaches the
+# page's player and plays, and the time to first audio is shown.
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("no chromium on PATH: run `make browser` (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def demo_url(server, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("demo") / "demo.log", "w")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
+    proc = subprocess.Popen([sys.executable, str(DEMO), "--server", server.url, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"demo exited with {proc.returncode}: see {log.name}"
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "demo did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_demo_streams_audio_in_browser(demo_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=_chromium(),
+            args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required", "--mute-audio"],
+        )
+        try:
+            page = browser.new_page()
+            streamed = []  # the page's audio stream (HLS playlist / segments) as it arrives
+            page.on("response", lambda r: streamed.append(r.url) if "/stream/" in r.url else None)
+            page.goto(demo_url, wait_until="networkidle")
+            assert "Speech LM" in page.content()
+
+            page.locator("#text textarea").fill("Please say something nice about the weather today.")
+            page.locator("#seed input").fill("4")
+            page.locator("#max_tokens input[type=number]").fill("200")
+            page.locator("#max_tokens input[type=number]").press("Enter")
+            page.locator("#speak").click()
+
+            status = page.locator("#status")
+            status.filter(has_text="time to first audio").wait_for(timeout=180_000)
+            status.filter(has_text="s of audio in").wait_for(timeout=180_000)
+            final = status.inner_text()
+            ttfa = re.search(r"time to first audio: (\d+) ms", final)
+            seconds = re.search(r"([\d.]+) s of audio", final)
+            assert ttfa and seconds and float(seconds.group(1)) > 0, final
+
+            # The player got the streamed audio and played it.
+            page.wait_for_function(
+                "() => { const a = document.querySelector('#audio audio');"
+                " return a && a.currentTime > 0; }",
+                timeout=60_000,
+            )
+            assert streamed, "the page fetched no audio stream"
+        finally:
+            browser.close()
 
 
 def test_server_log_has_no_tracebacks(server):

@@ -31,7 +31,8 @@ import torch
 from vllm_omni_speechlm.audio import to_wav
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.serving import options
-from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model
+from vllm_omni_speechlm.pipeline import CODEC_STAGE
+from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
 ROUTE = "/v1/chat/completions"
@@ -208,6 +209,8 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any
     model = served_model(engine_client)
     try:
         prompt, stage0, modality = build_request(request, model)
+        if modality != "text" and CODEC_STAGE not in stage_names(engine_client):
+            raise BadRequest("modalities: audio needs a deployment with the codec stage (e.g. bagpiper_streaming.yaml)")
     except ValueError as e:
         return _error(str(e))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

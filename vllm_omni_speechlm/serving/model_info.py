@@ -57,3 +57,14 @@ def is_speechlm(engine_client: Any) -> bool:
     """Whether the engine serves one of this project's speech LMs (a `speechlm` config section)."""
     hf_config = getattr(getattr(engine_client, "model_config", None), "hf_config", None)
     return isinstance(getattr(hf_config, SPEECHLM_KEY, None), dict)
+
+
+def stage_names(engine_client: Any) -> set[str]:
+    """The deployed stages' `model_stage` names (pipeline.SPEECH_LM_STAGE, CODEC_STAGE)."""
+    names = set()
+    for stage in getattr(engine_client, "stage_configs", None) or ():
+        topology = getattr(stage, "stage_pipeline_config", None)
+        name = getattr(topology, "model_stage", None) or getattr(getattr(stage, "engine_args", None), "model_stage", None)
+        if name:
+            names.add(name)
+    return names
