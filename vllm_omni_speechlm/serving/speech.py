@@ -34,25 +34,15 @@ from vllm_omni_speechlm.tokenizer import encode_prompt
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer in speech."
 SPEECH_MODALITIES = ("audio", "text+audio")
 MAX_INSTRUCTIONS_CHARS = 10_000
-# Request fields of vllm-omni's schema that other TTS models use and these models do not:
-# a value other than the schema default is an error.
-UNSUPPORTED_FIELDS = {
-    "task_type": None,
-    "language": None,
-    "ref_audio": None,
-    "ref_text": None,
-    "ref_audio_2": None,
-    "ambient_sound": None,
-    "duration_seconds": None,
-    "x_vector_only_mode": None,
-    "speaker_embedding": None,
-    "non_streaming_mode": None,
-}
+# Request fields of vllm-omni's schema that other TTS models use and these models do not (their
+# schema default is None): a value is an error, not silently ignored.
+UNSUPPORTED_FIELDS = ("task_type", "language", "ref_audio", "ref_text", "ref_audio_2", "ambient_sound",
+                      "duration_seconds", "x_vector_only_mode", "speaker_embedding", "non_streaming_mode")
 
 
 def _check_unsupported(request: Any) -> None:
-    for name, default in UNSUPPORTED_FIELDS.items():
-        if getattr(request, name, default) != default:
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(request, name, None) is not None:
             raise ValueError(f"{name}: not supported by this model")
     if request.voice is not None:  # vllm-omni maps "default" to None before the adapter runs
         raise ValueError(f"voice: this model has one voice; omit voice or use 'default', got {request.voice!r}")
