@@ -72,8 +72,10 @@ BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
     model_type="bagpiper_two_stage",  # by name only (deploy YAML `pipeline:`); async_chunk picks the mode
     model_arch=BAGPIPER_ARCH,
     stages=(
-        # Both stages are final outputs: stage 0 gives the text, stage 1 the audio. A request picks
-        # what it gets by its output modalities (["audio"]: audio only, stage 0 is not returned).
+        # Both stages are final outputs: stage 0 gives the text (chat completions), stage 1 the
+        # audio. vllm-omni's orchestrator forwards every final stage's outputs to the client; a
+        # request's output modalities decide which stages it waits for (["audio"]: done with the
+        # audio). The speech route ignores stage 0's outputs (one small message per step).
         speech_lm_stage(BAGPIPER_ARCH, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR),
         codec_decoder_stage(sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
     ),
