@@ -147,3 +147,19 @@ def _shm_mapped_by_others() -> set[str]:
 def new_shm(before: set[str]) -> set[str]:
     """Segments created since `before` that are this run's (held by it, or by nobody: leaked)."""
     return (shm_names() - before) - _shm_mapped_by_others()
+
+
+# --- the OpenAI-compatible server (tests/test_serving_*.py) -------------------------------------
+
+
+def start_speechlm_server(model_dir: str, deploy_yaml: str, log_dir: Path):
+    """Start `vllm serve` on a free local port, wait until healthy, yield it, stop it (fixtures)."""
+    import stage_configs
+    from vllm_omni_speechlm.serving.launch import SpeechLMServer
+
+    server = SpeechLMServer(model_dir, stage_configs.path(deploy_yaml), log_dir / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

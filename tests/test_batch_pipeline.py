@@ -38,6 +38,7 @@ def gen(tiny_bagpiper):
 def _request(gen, prompt: str, **kw):
     ids = gen.encode(prompt, SYSTEM)
     engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**kw))
+    engine_prompt["modalities"] = ["audio"]  # finished when stage 1 is (stage 0's text is a final output too)
     return engine_prompt, sampling, ids
 
 
@@ -56,6 +57,8 @@ def _run(gen, requests) -> dict[int, list]:
         [r[0] for r in requests], [requests[0][1], _codec_params()], py_generator=True, use_tqdm=False
     )
     for out in stream:
+        if out.stage_id == 0:  # stage 0's text output (both stages are final outputs)
+            continue
         outs.setdefault(int(out.request_id.split("_", 1)[0]), []).append(out)
     return outs
 

@@ -44,6 +44,7 @@ def gen(tiny_bagpiper):
 def _request(gen, prompt: str, extra_info: dict | None = None, **kw):
     ids = gen.encode(prompt, SYSTEM)
     engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**kw))
+    engine_prompt["modalities"] = ["audio"]  # finished when stage 1 is (stage 0's text is a final output too)
     engine_prompt["additional_information"] |= extra_info or {}
     return engine_prompt, sampling, ids
 
@@ -63,6 +64,8 @@ def _stream(gen, requests) -> dict[int, list[torch.Tensor]]:
         [r[0] for r in requests], [requests[0][1], _codec_params()], py_generator=True, use_tqdm=False
     )
     for out in outs:
+        if out.stage_id == 0:  # stage 0's text output (both stages are final outputs)
+            continue
         assert out.stage_id == 1
         audio = (out.multimodal_output or {}).get("audio")
         if audio is not None and audio.numel():

@@ -19,10 +19,9 @@ import stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.deploy_checks import DeployPlan
-from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
+from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -85,24 +84,9 @@ class SpeechLMGenerator:
         return encode_prompt(self.tokenizer, self.cfg, prompt, system=system)
 
     def engine_request(self, prompt_ids: list[int], params: SpeechSamplingParams) -> tuple[dict, Any]:
-        """(prompt dict, vLLM SamplingParams) of one request: the engine samples stream 0 at the
-        engine temperature with no top-k of its own (the model applies per-modality top-k)."""
-        from vllm import SamplingParams
-
+        """(prompt dict, vLLM SamplingParams) of one request (see `engine_request.py`)."""
         p = params.resolve(self.cfg)
-        speech = {"modality": int(p.modality), "cfg_scale": p.cfg_scale}  # plain scalars: msgpack
-        for name in ("text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "max_text_tokens"):
-            speech[name] = getattr(p, name)
-        stop = [self.cfg.specials.eot] if p.modality == OutputMode.TEXT else []
-        sampling = SamplingParams(
-            temperature=p.engine_temperature,
-            top_k=0,
-            seed=p.seed,
-            max_tokens=p.max_tokens,
-            stop_token_ids=stop,
-            detokenize=False,
-        )
-        return {"prompt_token_ids": prompt_ids, "additional_information": {SPEECH_PARAMS_KEY: speech}}, sampling
+        return engine_prompt(prompt_ids, p), stage0_sampling_params(self.cfg, p)
 
     def generate(
         self,

@@ -13,6 +13,9 @@ from vllm_omni_speechlm.config import SPEECHLM_KEY
 BAGPIPER_ARCH = "BagpiperForCausalLM"
 # Paired CFG co-scheduling (hidden unconditional companions); plain vLLM scheduling otherwise.
 SPEECH_LM_SCHEDULER = "vllm_omni_speechlm.scheduling.PairedCFGScheduler"
+# Stage names (`model_stage`): the API server finds the speech stage by them (serving/speech.py).
+SPEECH_LM_STAGE = "speech_lm"
+CODEC_STAGE = "codec"
 
 
 def _is_speechlm(hf_config) -> bool:
@@ -24,7 +27,7 @@ def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
     [1, S] row of all streams per generated token."""
     fields = dict(
         stage_id=0,
-        model_stage="speech_lm",
+        model_stage=SPEECH_LM_STAGE,
         execution_type=StageExecutionType.LLM_AR,
         owns_tokenizer=True,
         model_arch=arch,
@@ -57,7 +60,7 @@ def codec_decoder_stage(**overrides) -> StagePipelineConfig:
     indices from stage 0's processor; its client output is the window's new 16 kHz audio."""
     fields = dict(
         stage_id=1,
-        model_stage="codec",
+        model_stage=CODEC_STAGE,
         execution_type=StageExecutionType.LLM_GENERATION,
         input_sources=(0,),
         model_arch=CODEC_DECODER_ARCH,
@@ -72,9 +75,11 @@ BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
     model_type="bagpiper_two_stage",  # by name only (deploy YAML `pipeline:`); async_chunk picks the mode
     model_arch=BAGPIPER_ARCH,
     stages=(
-        speech_lm_stage(
-            BAGPIPER_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
-        ),
+        # Both stages are final outputs: stage 0 gives the text (chat completions), stage 1 the
+        # audio. vllm-omni's orchestrator forwards every final stage's outputs to the client; a
+        # request's output modalities decide which stages it waits for (["audio"]: done with the
+        # audio). The speech route ignores stage 0's outputs (one small message per step).
+        speech_lm_stage(BAGPIPER_ARCH, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR),
         codec_decoder_stage(sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
     ),
 )

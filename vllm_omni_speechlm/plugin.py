@@ -8,8 +8,12 @@ SELFTEST_ENV = "SPEECHLM_SELFTEST_PIPELINES"
 
 def register() -> None:
     """Register the project's architectures (vLLM's and vllm-omni's registries: stages load
-    models through the latter) and pipelines. Idempotent: it runs more than once per process."""
+    models through the latter) and pipelines; in the API server also the OpenAI routes
+    (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
     register_speech_lms()
+    from vllm_omni_speechlm import serving
+
+    serving.register()
     if os.environ.get(SELFTEST_ENV) == "1":  # tests/test_cpu_platform*.py; selected only by name
         from vllm_omni_speechlm.platforms import selftest
 

@@ -91,10 +91,11 @@ class _PairedCFGMixin:
     # ---- scheduling -------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._finish_orphans()
-        if not self.partner:
+        self._forget_gone_pairs()
+        if not self.partner:  # no pair anywhere: vLLM's scheduling, untouched
             return super().schedule(*args, **kwargs)
         self._preempt_units_for_room()
-        held = self._hold_pairs_that_do_not_fit()
+        held = self._hold_pairs_that_do_not_fit() if any(r.request_id in self.partner for r in self.waiting) else []
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -102,6 +103,12 @@ class _PairedCFGMixin:
                 self.waiting.prepend_request(request)
         self._check_lockstep(output)
         return output
+
+    def _forget_gone_pairs(self) -> None:
+        """Drop pair entries of requests the scheduler no longer holds (belt and braces: every
+        finish path already goes through `_free_request`)."""
+        for request_id in [r for r in self.partner if r not in self.requests]:
+            self.partner.pop(request_id, None)
 
     def _unit(self, request: Any) -> list[Any]:
         """The request and, for a pair member, its partner (main first)."""
@@ -146,7 +153,7 @@ class _PairedCFGMixin:
         pair judged to fit is never split by vLLM's admission loop."""
         slots = self.max_num_running_reqs - len(self.running)
         tokens = self.max_num_scheduled_tokens - len(self.running)
-        blocks = self._spare_blocks() - sum(self._new_blocks(r) for r in self.running)
+        blocks = self._spare_blocks() - len(self.running)  # each running request may take a block
         held: list[Any] = []
         seen: set[str] = set()
         for request in list(self.waiting):

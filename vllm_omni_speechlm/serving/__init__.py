@@ -1,0 +1,27 @@
+"""The OpenAI-compatible API of the speech LMs, on vLLM-Omni's server (`vllm serve --omni`).
+
+- `speech.py`: `/v1/audio/speech` through vllm-omni's TTS adapter registry (its request schema,
+  streaming, SSE and disconnect handling; this package only turns a request into an engine request).
+- `chat.py`: `/v1/chat/completions` for these models: text, audio (base64 WAV) or both in one answer.
+- `options.py`, `model_info.py`: request options and the served checkpoint, shared by both.
+
+`register()` runs from the plugin entry point; it only acts in the API server process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+API_SERVER_MODULE = "vllm_omni.entrypoints.openai.api_server"
+
+
+def register() -> None:
+    """Register the speech adapter and the chat route. Only where vllm-omni's API server module is
+    loaded (the `vllm serve --omni` process imports it before the plugins run); engine and worker
+    processes never serve HTTP, so they skip the imports."""
+    if API_SERVER_MODULE not in sys.modules:
+        return
+    from vllm_omni_speechlm.serving import chat, speech
+
+    speech.register_adapter()
+    chat.register_route()

@@ -1,0 +1,250 @@
+"""`/v1/chat/completions` for the speech LMs: text, audio, or both from one request.
+
+vllm-omni's chat handler renders prompts through the tokenizer's chat template and sends the
+engine OpenAI sampling fields; these models need their own prompt encoding (user text never
+turns into special tokens), per-modality sampling and an output modality. So for a speech-LM
+checkpoint this route builds the engine request itself (`engine_request.py`, the same as the
+speech route) and sends it through the same engine client; for any other model it calls
+vllm-omni's handler unchanged.
+
+    modalities   ["text"] (default): a text answer; ["text", "audio"]: a text answer and its
+                 audio (message.audio.data: base64 16 kHz WAV, transcript = the text);
+                 ["audio"]: audio only
+    messages     an optional system message, then one user message (string or text parts)
+    temperature, top_k      the text part's sampling (or text_temperature / text_top_k)
+    max_tokens / max_completion_tokens, seed, and the model options (options.MODEL_OPTIONS)
+
+Non-streaming only (streamed audio: `/v1/audio/speech` with stream=true). A client that goes
+away cancels the handler, and vllm-omni's engine client then aborts the request in every stage.
+"""
+
+import base64
+import dataclasses
+import inspect
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+import torch
+
+from vllm_omni_speechlm.audio import to_wav
+from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
+from vllm_omni_speechlm.serving import options
+from vllm_omni_speechlm.pipeline import CODEC_STAGE
+from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
+from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
+
+ROUTE = "/v1/chat/completions"
+MODALITIES = {("text",): "text", ("audio", "text"): "text+audio", ("audio",): "audio"}
+# Request fields this route reads; any other field a client sets is an error.
+ACCEPTED_FIELDS = {"messages", "model", "modalities", "audio", "temperature", "top_k", "max_tokens",
+                   "max_completion_tokens", "seed", "stream", "n", "user", *options.MODEL_OPTIONS}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _message_text(message: Any, index: int) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):  # OpenAI content parts: text only
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"messages[{index}].content: only text parts are supported, got {kind!r}")
+            parts.append(part["text"])
+        content = "".join(parts)
+    return options.text_input(content, f"messages[{index}].content")
+
+
+def _system_and_user(messages: Any) -> tuple[str | None, str]:
+    """One optional system message, then one user message (no multi-turn history yet)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: expected a non-empty list")
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    if roles not in (["user"], ["system", "user"]):
+        raise BadRequest(f"messages: expected [system,] user; got roles {roles} (multi-turn history is not supported)")
+    system = _message_text(messages[0], 0) if len(messages) == 2 else None
+    return system, _message_text(messages[-1], len(messages) - 1)
+
+
+def _modality(request: Any) -> str:
+    requested = getattr(request, "modalities", None)
+    if requested is None:
+        return "text"
+    if not isinstance(requested, list) or not all(isinstance(m, str) for m in requested):
+        raise BadRequest("modalities: expected a list of strings")
+    mode = MODALITIES.get(tuple(sorted(set(requested))))
+    if mode is None:
+        raise BadRequest(f"modalities: expected ['text'], ['text', 'audio'] or ['audio'], got {requested}")
+    return mode
+
+
+def _check_audio_param(request: Any) -> None:
+    audio = getattr(request, "audio", None)
+    if audio is None:
+        return
+    if not isinstance(audio, dict):
+        raise BadRequest("audio: expected an object")
+    unknown = sorted(set(audio) - {"format", "voice"})
+    if unknown:
+        raise BadRequest(f"audio.{unknown[0]}: unknown field")
+    if audio.get("format", "wav") != "wav":
+        raise BadRequest(f"audio.format: only 'wav' is supported, got {audio.get('format')!r}")
+    if audio.get("voice") not in (None, "default"):
+        raise BadRequest(f"audio.voice: this model has one voice; omit it or use 'default', got {audio.get('voice')!r}")
+
+
+def _check_fields(request: Any) -> None:
+    unsupported = sorted((set(request.model_fields_set) | set(request.model_extra or {})) - ACCEPTED_FIELDS)
+    if unsupported:
+        raise BadRequest(f"{', '.join(unsupported)}: not supported by this model's chat completions")
+    if request.stream:
+        raise BadRequest("stream: not supported for chat; use /v1/audio/speech with stream=true for streamed audio")
+    if request.n not in (None, 1):
+        raise BadRequest(f"n: only 1 is supported, got {request.n}")
+
+
+def _model_options(request: Any) -> dict[str, Any]:
+    opts = options.model_options({k: v for k, v in (request.model_extra or {}).items() if k in options.MODEL_OPTIONS},
+                                 "request")
+    for openai_name, name in (("temperature", "text_temperature"), ("top_k", "text_top_k")):
+        value = getattr(request, openai_name, None)
+        if value is None:
+            continue
+        if name in opts:
+            raise BadRequest(f"{openai_name}: conflicts with {name}; set one of them")
+        opts[name] = value
+    return opts
+
+
+def build_request(request: Any, model: ServedModel) -> tuple[dict, Any, str]:
+    """(engine prompt, stage-0 SamplingParams, modality) of a chat request; BadRequest on bad input."""
+    _check_fields(request)
+    _check_audio_param(request)
+    modality = _modality(request)
+    system, user = _system_and_user(request.messages)
+    if request.seed is not None and request.seed < 0:
+        raise BadRequest(f"seed: must be a non-negative integer, got {request.seed}")
+    params = options.sampling_params(modality, _model_options(request), seed=request.seed)
+    ids = encode_prompt(model.tokenizer, model.cfg, user, system=system)
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    limit = options.max_tokens(requested, model.token_budget(len(ids)), field)
+    params = dataclasses.replace(params, max_tokens=limit).resolve(model.cfg)
+    return engine_prompt(ids, params), stage0_sampling_params(model.cfg, params), modality
+
+
+def _audio_chunks(output: Any) -> list[torch.Tensor]:
+    """The new audio of a codec-stage output (a tensor, or a list of per-window tensors)."""
+    mm = getattr(output, "multimodal_output", None) or {}
+    audio = mm.get("model_outputs", mm.get("audio"))
+    chunks = audio if isinstance(audio, list) else [audio]
+    return [c.reshape(-1).float().cpu() for c in chunks if isinstance(c, torch.Tensor) and c.numel() > 0]
+
+
+async def _generate(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str) -> tuple:
+    """Run one request; (stream-0 token ids, finish reason, audio waveform or None)."""
+    from vllm_omni.entrypoints.utils import coerce_param_message_types
+
+    from vllm.sampling_params import RequestOutputKind
+
+    defaults = [sp.clone() for sp in engine_client.default_sampling_params_list]
+    params = coerce_param_message_types([stage0, *defaults[1:]], is_streaming=False)
+    if len(params) > 1:  # the codec stage streams windows; keep them all (each is new audio)
+        params[1].output_kind = RequestOutputKind.DELTA
+    wants_audio = modality != "text"
+    tokens, finish, audio = [], None, []
+    async for out in engine_client.generate(
+        prompt=prompt,
+        request_id=request_id,
+        sampling_params_list=params,
+        output_modalities=["text", "audio"] if wants_audio else ["text"],
+    ):
+        if getattr(out, "final_output_type", None) == "audio":
+            audio.extend(_audio_chunks(out))
+        elif out.outputs:
+            tokens = list(out.outputs[0].token_ids)
+            finish = out.outputs[0].finish_reason or finish
+    waveform = torch.cat(audio) if audio else (torch.zeros(0) if wants_audio else None)
+    return tokens, finish, waveform
+
+
+def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int, tokens: list[int],
+              finish: str | None, waveform: torch.Tensor | None) -> dict:
+    text = decode_text(model.tokenizer, tokens, model.cfg)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if waveform is not None:
+        wav = to_wav(waveform, model.cfg.codec.sample_rate)
+        message["audio"] = {
+            "id": f"audio_{request_id}",
+            "data": base64.b64encode(wav).decode("ascii"),
+            "expires_at": int(time.time()) + 3600,
+            "transcript": text or "",
+        }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model or model.model_dir,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish or "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(tokens), "total_tokens": prompt_len + len(tokens)},
+    }
+
+
+def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> Any:
+    from fastapi.responses import JSONResponse
+
+    param = message.split(":", 1)[0] if ":" in message else None
+    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status.value}}
+    return JSONResponse(content=body, status_code=status.value)
+
+
+async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any:
+    from fastapi.responses import JSONResponse
+
+    engine_client = raw_request.app.state.engine_client
+    model = served_model(engine_client)
+    try:
+        prompt, stage0, modality = build_request(request, model)
+        if modality != "text" and CODEC_STAGE not in stage_names(engine_client):
+            raise BadRequest("modalities: audio needs a deployment with the codec stage (e.g. bagpiper_streaming.yaml)")
+    except ValueError as e:
+        return _error(str(e))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    tokens, finish, waveform = await _generate(engine_client, prompt, stage0, modality, request_id)
+    return JSONResponse(_response(request, model, request_id, len(prompt["prompt_token_ids"]), tokens, finish, waveform))
+
+
+def register_route() -> None:
+    """Put a dispatcher in place of vllm-omni's chat route (before its app is built): speech LMs
+    get this module's handler, every other model vllm-omni's own (its undecorated handler under
+    the same request parsing and decorators)."""
+    from fastapi import Request
+    from fastapi.routing import APIRoute
+    from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
+    from vllm_omni.entrypoints.openai import api_server
+
+    routes = api_server.router.routes
+    index = next(
+        (i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == ROUTE and "POST" in r.methods), None
+    )
+    if index is None or getattr(routes[index].endpoint, "_speechlm_dispatch", False):
+        return  # already replaced (the plugin runs more than once), or nothing to replace
+    stock = routes[index]
+    stock_handler = inspect.unwrap(stock.endpoint)
+
+    @with_cancellation
+    @load_aware_call
+    async def create_chat_completion(request: api_server.ChatCompletionRequest, raw_request: Request):
+        if is_speechlm(raw_request.app.state.engine_client):
+            return await create_speechlm_chat_completion(request, raw_request)
+        return await stock_handler(request, raw_request)
+
+    create_chat_completion._speechlm_dispatch = True  # type: ignore[attr-defined]
+    del routes[index]
+    api_server.router.add_api_route(
+        ROUTE, create_chat_completion, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses
+    )

@@ -1,0 +1,72 @@
+"""The models' own request options (both routes): validated into `SpeechSamplingParams`.
+
+Every error is a ValueError whose message starts with the offending field, which the routes turn
+into HTTP 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+# Options a request may set besides the OpenAI fields of its route (names of SpeechSamplingParams).
+MODEL_OPTIONS = ("cfg_scale", "text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "max_text_tokens")
+# Longest input text accepted before tokenizing (the token limit is checked after).
+MAX_INPUT_CHARS = 100_000
+# Largest per-request first streaming window, in codec frames (2 s at 50 frames/s).
+MAX_INITIAL_CHUNK_FRAMES = 100
+# When a request sets no max tokens: at most this many, within the model's length limit.
+DEFAULT_MAX_TOKENS = 2048
+
+
+def model_options(options: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """The known options of `options` (a JSON object); an unknown name is an error."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown option (known: {', '.join(MODEL_OPTIONS)})")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def text_input(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{field}: must not be empty")
+    if len(value) > MAX_INPUT_CHARS:
+        raise ValueError(f"{field}: {len(value)} characters, more than the limit of {MAX_INPUT_CHARS}")
+    return value
+
+
+def max_tokens(requested: int | None, budget: int, field: str) -> int:
+    """Stream-0 tokens for a request whose prompt leaves `budget` tokens of the model's length."""
+    if budget < 2:
+        raise ValueError(f"input: the prompt leaves {budget} tokens of the model's length limit")
+    if requested is None:
+        return min(DEFAULT_MAX_TOKENS, budget)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"{field}: expected a positive integer, got {requested!r}")
+    if requested > budget:
+        raise ValueError(f"{field}: {requested} is more than this prompt leaves of the model's length ({budget})")
+    return requested
+
+
+def initial_chunk_frames(value: Any, field: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INITIAL_CHUNK_FRAMES:
+        raise ValueError(f"{field}: must be an integer in [1, {MAX_INITIAL_CHUNK_FRAMES}], got {value!r}")
+    return value
+
+
+def sampling_params(modality: str, options: dict[str, Any], **fields: Any) -> SpeechSamplingParams:
+    """SpeechSamplingParams from validated pieces; its own checks name the field."""
+    try:
+        return SpeechSamplingParams(modality=modality, **options, **fields)
+    except TypeError as e:  # a wrong keyword never reaches here (model_options filters names)
+        raise ValueError(str(e)) from e

@@ -1,0 +1,128 @@
+"""`/v1/audio/speech` for the speech LMs: a vllm-omni TTS adapter.
+
+vllm-omni's speech server owns the endpoint: its request schema (`input`, `response_format`,
+`stream`, `stream_format`, `seed`, `max_new_tokens`, `initial_codec_chunk_frames`,
+`instructions`, `extra_params`), non-streaming encoding (wav, pcm, flac, mp3, opus), raw-audio
+and SSE streaming, and aborting the request in every stage when the client goes away. This adapter
+turns one request into the engine request:
+
+- prompt: `input` as the user turn, `instructions` (or DEFAULT_SYSTEM) as the system turn
+- `extra_params`: the model's options (`options.MODEL_OPTIONS`) and `modality` ("audio", the
+  default, or "text+audio": the model writes a text answer first and speaks it)
+- `initial_codec_chunk_frames`: this request's first streaming window (faster first audio)
+
+Every field this model does not support (voices, reference audio, speed, ...) is rejected with a
+message naming it (vllm-omni answers HTTP 400), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from vllm_omni.entrypoints.openai.tts_adapters import TTS_ADAPTER_REGISTRY, register_tts_adapter
+from vllm_omni.entrypoints.openai.tts_adapters.base import ARTTSAdapter, PreparedRequest
+
+from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
+from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+from vllm_omni_speechlm.serving import options
+from vllm_omni_speechlm.serving.model_info import served_model
+from vllm_omni_speechlm.tokenizer import encode_prompt
+
+# The released model often stops before any audio without a system turn (model facts).
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer in speech."
+SPEECH_MODALITIES = ("audio", "text+audio")
+MAX_INSTRUCTIONS_CHARS = 10_000
+# Request fields of vllm-omni's schema that other TTS models use and these models do not (their
+# schema default is None): a value is an error, not silently ignored.
+UNSUPPORTED_FIELDS = ("task_type", "language", "ref_audio", "ref_text", "ref_audio_2", "ambient_sound",
+                      "duration_seconds", "x_vector_only_mode", "speaker_embedding", "non_streaming_mode")
+
+
+def _check_unsupported(request: Any) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(request, name, None) is not None:
+            raise ValueError(f"{name}: not supported by this model")
+    if request.voice is not None:  # vllm-omni maps "default" to None before the adapter runs
+        raise ValueError(f"voice: this model has one voice; omit voice or use 'default', got {request.voice!r}")
+    if request.speed not in (None, 1.0):
+        raise ValueError(f"speed: not supported by this model (only 1.0), got {request.speed}")
+
+
+def speech_params(request: Any) -> SpeechSamplingParams:
+    """The request's speech options (max_tokens is settled once the prompt length is known)."""
+    extra = dict(request.extra_params or {})  # the schema makes it a JSON object
+    modality = extra.pop("modality", "audio")
+    if modality not in SPEECH_MODALITIES:
+        raise ValueError(f"extra_params.modality: expected one of {list(SPEECH_MODALITIES)}, got {modality!r}")
+    opts = options.model_options(extra, "extra_params")
+    seed = request.seed
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed: must be a non-negative integer, got {seed}")
+    return options.sampling_params(modality, opts, seed=seed)
+
+
+class SpeechLMSpeechAdapter(ARTTSAdapter):
+    """Serves `/v1/audio/speech` from the speech LM stage of a two-stage (LM -> codec) pipeline."""
+
+    name: ClassVar[str] = "speechlm"
+    # The speech LM stage of every family (pipeline.speech_lm_stage); the adapter reads the
+    # checkpoint's own layout, so it is not tied to one architecture.
+    stage_keys: ClassVar[frozenset[str]] = frozenset({SPEECH_LM_STAGE})
+    supported_output_sample_rates: ClassVar[frozenset[int]] = frozenset({16000})
+
+    @classmethod
+    def stage_serves_speech(cls, model_stage: str | None, all_stage_keys: frozenset[str]) -> bool:
+        # Audio comes from the codec stage; the LM-only deployment returns codes, not audio.
+        return CODEC_STAGE in all_stage_keys
+
+    def _load_supported_speakers(self) -> list[str]:
+        return []
+
+    def _load_codec_frame_rate(self) -> float | None:
+        return float(served_model(self.ctx.engine_client).cfg.codec.frame_rate)
+
+    def validate(self, request: Any) -> str | None:
+        try:
+            options.text_input(request.input, "input")
+            if request.instructions is not None:
+                if not isinstance(request.instructions, str) or len(request.instructions) > MAX_INSTRUCTIONS_CHARS:
+                    raise ValueError(f"instructions: expected a string of at most {MAX_INSTRUCTIONS_CHARS} characters")
+            _check_unsupported(request)
+            options.initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
+            speech_params(request)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _params(self, request: Any, prompt_len: int) -> SpeechSamplingParams:
+        """Resolved options, max_tokens within what the prompt leaves of the model's length."""
+        model = served_model(self.ctx.engine_client)
+        limit = options.max_tokens(request.max_new_tokens, model.token_budget(prompt_len), "max_new_tokens")
+        return dataclasses.replace(speech_params(request), max_tokens=limit).resolve(model.cfg)
+
+    async def build(self, request: Any, sampling_params_list: list, has_inline_ref_audio: bool) -> PreparedRequest:
+        model = served_model(self.ctx.engine_client)
+        system = request.instructions if request.instructions and request.instructions.strip() else DEFAULT_SYSTEM
+        ids = encode_prompt(model.tokenizer, model.cfg, request.input, system=system)
+        first = options.initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
+        return PreparedRequest(prompt=engine_prompt(ids, self._params(request, len(ids)), first), model_type=self.name)
+
+    def apply_sampling_overrides(
+        self, sampling_params_list: list, request: Any, prompt: dict | None = None, request_id: str | None = None
+    ) -> list:
+        """Stage 0 samples the way the model's per-modality rules need (engine temperature, no
+        engine top-k, the request's token limit); the codec stage keeps its deploy defaults."""
+        params = self._params(request, len((prompt or {})["prompt_token_ids"]))
+        out = list(sampling_params_list)
+        cfg = served_model(self.ctx.engine_client).cfg
+        out[0] = stage0_sampling_params(cfg, params, output_kind=out[0].output_kind)
+        return out
+
+
+def register_adapter() -> None:
+    """Register once per process (the plugin entry point runs more than once; vllm-omni's
+    registry raises on a duplicate name)."""
+    if SpeechLMSpeechAdapter.name not in TTS_ADAPTER_REGISTRY:
+        register_tts_adapter(SpeechLMSpeechAdapter)
