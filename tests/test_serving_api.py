@@ -137,9 +137,9 @@ def test_model_options_reach_the_model(client, reference):
     want = _reference_pcm(reference, TEXT, modality="text+audio", max_text_tokens=4, audio_temperature=1.3,
                           audio_top_k=5, text_temperature=0.2, seed=11, max_tokens=90)
     _assert_pcm_equal(got, want)
-    # cfg_scale is validated and passed through (guidance itself is the model's job)
-    ok = client.audio.speech.create(**_speech(client, extra_params={"cfg_scale": 1.0})).content
-    assert len(ok) > 0
+    # A guided request streams through both stages and equals the reference's CFG decoding.
+    got = client.audio.speech.create(**_speech(client, seed=5, max_new_tokens=60, extra_params={"cfg_scale": 3.0})).content
+    _assert_pcm_equal(got, _reference_pcm(reference, TEXT, modality="audio", cfg_scale=3.0, seed=5, max_tokens=60))
 
 
 def test_instructions_are_the_system_turn(client, reference):
@@ -275,9 +275,11 @@ N_DISCONNECT = 7  # ~20%
 
 
 async def _stream_one(url: str, i: int, disconnect: bool) -> tuple[int, int]:
-    """(status, bytes received); a disconnecting client leaves after its first chunk."""
+    """(status, bytes received); a disconnecting client leaves after its first chunk. Every
+    second request is guided (a hidden CFG companion must go with it)."""
     body = {"input": f"Request {i}: say hello.", "seed": i, "response_format": "pcm", "stream_format": "audio",
-            "max_new_tokens": 300 if disconnect else 30, "initial_codec_chunk_frames": 4}
+            "max_new_tokens": 300 if disconnect else 30, "initial_codec_chunk_frames": 4,
+            "extra_params": {"cfg_scale": 3.0 if i % 2 else 1.0}}
     received = 0
     async with httpx.AsyncClient(timeout=600) as http:
         async with http.stream("POST", url + "/v1/audio/speech", json=body) as resp:
