@@ -34,7 +34,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, RowKind
+from vllm_omni_speechlm.decoding import DecodingRules
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -230,10 +230,11 @@ class SpeechLMForCausalLM(nn.Module):
         slots = _to_device([e.slot for e in step.entries], raw.device)
         generated = _to_device(step.generated, raw.device).clamp_(max=table.max_output_len - 1)
         rows = table.row_sampling(slots, step.entries)
-        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows)
+        phase_step = table.phase_step[slots]
+        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
         aux = rules.sample_aux_streams(self._aux_logits(hidden_states), rows, noise) + self.aux_start
-        aux = torch.where(kinds[:, None] == RowKind.AUDIO, aux, self.speech.specials.pad)
+        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
         idx = _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
@@ -247,11 +248,14 @@ class SpeechLMForCausalLM(nn.Module):
             return out
         idx, slots = self._step.sampled
         table, rules = self._state()
+        # A drain family's first eos is emitted deferred (vLLM would stop on it): rewrite in place.
         token = out.sampled_token_ids[:, 0].long()
+        token[idx] = rules.emitted_token(table.phase[slots], token[idx])
+        out.sampled_token_ids[:, 0] = token.to(out.sampled_token_ids.dtype)
         self._frames[:, 0] = token
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self._frames_host.copy_(self._frames, non_blocking=True)
-        table.phase[slots] = rules.advance(table.phase[slots], token[idx])
+        table.phase[slots], table.phase_step[slots] = rules.step(table.phase[slots], table.phase_step[slots], token[idx])
         self._step.sampled = None
         return out
 
