@@ -95,6 +95,7 @@ class _TransferManager:
 
 @pytest.mark.parametrize("fixture", list(FAMILIES.values()))
 def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixture):
+    """The streaming processor + codec stage outside an engine, on a clip that drains."""
     from vllm_omni_speechlm.models.codec_stage import SpeechLMCodecDecoder
     from vllm_omni_speechlm.reference import ReferenceSpeechLM
     from vllm_omni_speechlm.tokenizer import encode_prompt
@@ -118,3 +119,7 @@ def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixtu
     assert len(payloads) >= 3
     assert streamed.shape == ref.audio.shape
     torch.testing.assert_close(streamed, ref.audio, atol=ATOL, rtol=0)
+    # Batch mode's hand-off (async_chunk off): the whole clip, exactly its T frames, in one window.
+    finished = SimpleNamespace(finished=True, outputs=[SimpleNamespace(multimodal_output={"codes": {"audio": ref.tokens}})])
+    [prompt] = speech_codec.speechlm2codec([finished], target_model_config=SimpleNamespace(model=model_dir))
+    assert prompt["prompt_token_ids"] == ref.codes.reshape(-1).tolist()
