@@ -90,7 +90,9 @@ class RowKind(enum.IntEnum):
     FORCE_EOS = 10  # the drain is over
 
 
-AUDIO_KINDS = (RowKind.AUDIO, RowKind.AUDIO_NO_EOS)  # rows sampled with the audio settings
+def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
+    """[N] RowKind -> [N] bool: rows sampled as audio (audio settings, CFG, aux streams)."""
+    return (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
 
 
 def aux_seed(seed: int) -> int:
@@ -197,7 +199,7 @@ class DecodingRules:
         """[N] kinds, [N] phase steps -> [N, S-1] bool: which aux streams keep their sampled
         token (the rest are pad). Audio rows: all (or, with the delay warm-up, streams s <=
         phase_step); drain row d = phase_step + 1: streams s > d (their last frames)."""
-        audio = (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
+        audio = is_audio_row(kind)
         step = phase_step[:, None]
         warm = step >= self.aux_index if self.cfg.decoding.delay_warmup else torch.ones_like(audio[:, None])
         draining = (kind == RowKind.FORCE_PAD)[:, None] & (step + 1 < self.aux_index)
@@ -232,7 +234,7 @@ class DecodingRules:
         top-k, and text rows rescaled by T_engine / T_text because the engine divides every row
         of a request by one temperature (T_engine)."""
         logits = raw.float() + self.mask_bias[kind]
-        is_audio = (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
+        is_audio = is_audio_row(kind)
         top_k = torch.where(is_audio, p.audio_top_k, p.text_top_k)
         logits = apply_top_k(logits, top_k, p.max_top_k)
         scale = torch.where(is_audio, p.audio_scale, p.text_scale)

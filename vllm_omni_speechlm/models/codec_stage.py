@@ -17,7 +17,6 @@ is checked against float32 whole-clip decoding.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 

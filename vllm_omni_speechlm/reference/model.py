@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, aux_seed
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -131,7 +131,7 @@ class ReferenceSpeechLM:
             generated = torch.tensor([step], device=self.device)
             kind = rules.row_kinds(phase, mode, logits0[:1], generated, rows, phase_step)
             if p.use_cfg:  # guidance on audio rows only; modality is read from the cond branch
-                audio = (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
+                audio = is_audio_row(kind)
                 logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
             tok0 = engine_sample(rules.process_primary_logits(logits0, kind, rows), p.engine_temperature, g0)
