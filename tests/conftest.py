@@ -27,6 +27,24 @@ def reference(tiny_bagpiper):
     return ReferenceSpeechLM(tiny_bagpiper)
 
 
+def _make_tiny(tmp_path_factory, family: str) -> str:
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    out = tmp_path_factory.mktemp(f"tiny-{family}")
+    make_tiny(family, out, seed=0)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_opuslm(tmp_path_factory) -> str:
+    return _make_tiny(tmp_path_factory, "opuslm")
+
+
+@pytest.fixture(scope="session")
+def tiny_opuslm_dialogue(tmp_path_factory) -> str:
+    return _make_tiny(tmp_path_factory, "opuslm-dialogue")
+
+
 # --- CPU platform tests (tests/test_cpu_platform*.py) -------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """Paired CFG co-scheduling on the real vLLM-Omni engine (CPU, float32): guided requests equal
 the reference's CFG on every stream, pairs never leak, and preempted pairs stay exact."""
 
+import dataclasses
 import os
 import random
 import threading
@@ -55,11 +56,16 @@ def _assert_reference(generator, reference, prompt, kw, result):
     assert result["finish_reason"] == ref.finish_reason
 
 
-def test_companion_naming_and_opt_in():
+def test_companion_naming_and_opt_in(reference):
     cid = companion_id("7_abc")
     assert is_companion(cid) and not is_companion("7_abc") and main_id(cid) == "7_abc"
-    assert wants_guidance({"cfg_scale": 3.0}) and not wants_guidance({"cfg_scale": 1.0})
-    assert not wants_guidance({"cfg_scale": float("nan")}) and not wants_guidance(None)
+    cfg = reference.cfg
+    assert wants_guidance({"cfg_scale": 3.0}, cfg) and not wants_guidance({"cfg_scale": 1.0}, cfg)
+    assert not wants_guidance({"cfg_scale": float("nan")}, cfg) and not wants_guidance(None, cfg)
+    no_guidance = dataclasses.replace(cfg, decoding=dataclasses.replace(cfg.decoding, guidance=False))
+    assert not wants_guidance({"cfg_scale": 3.0}, no_guidance)
+    with pytest.raises(ValueError, match="cfg_scale"):
+        SpeechSamplingParams(cfg_scale=3.0).resolve(no_guidance)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 COMPANION_SUFFIX = "::cfg-uncond"
@@ -36,11 +37,11 @@ def unconditional_prompt(prompt_ids: list[int], pad: int) -> list[int]:
     return [pad] * len(prompt_ids)
 
 
-def wants_guidance(speech_params: Mapping[str, Any] | None) -> bool:
+def wants_guidance(speech_params: Mapping[str, Any] | None, cfg: SpeechLMConfig) -> bool:
     """Whether a request's speech options ask for CFG. Invalid options count as no guidance:
     the model decodes such a request with the checkpoint defaults (see `SpeechLMForCausalLM`)."""
     try:
-        return SpeechSamplingParams(**dict(speech_params or {})).use_cfg
+        return SpeechSamplingParams(**dict(speech_params or {})).resolve(cfg).use_cfg
     except (TypeError, ValueError):
         return False
 

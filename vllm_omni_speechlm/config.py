@@ -7,7 +7,9 @@ A delay-pattern speech LM reads and writes one unified vocabulary:
 
 Stream s owns the contiguous slice `streams[s]` of the codec range. Families differ in data only
 (this file), never in code paths: Bagpiper gives every stream its own pad slot (slot 0 of the
-slice), OpusLM pads every stream with the special pad token.
+slice), OpusLM pads every stream with the special pad token; OpusLM's codec streams come before
+its text range. How audio starts and ends (delay warm-up, minimum length, drain) is the
+`decoding` section (`DecodingSpec`), which `decoding.DecodingRules` turns into tables.
 """
 
 from __future__ import annotations
@@ -92,6 +94,41 @@ class CodecSpec:
 
 
 @dataclass(frozen=True)
+class DecodingSpec:
+    """Family decoding rules as data (defaults: Bagpiper, which emits its delay tail itself).
+
+    OpusLM: AUTO rows follow the phase (no argmax rule); stream s is forced to pad while the
+    audio step is < s (delay warm-up); eos is masked for the first `min_audio_frames` audio
+    steps; and audio ends with a drain: the first eos stream 0 samples is emitted as
+    `deferred_eos` (so vLLM, which stops on eos, keeps going; it embeds like eos), then S-1
+    steps force pad on stream 0 while streams s > drain step still emit their last frames,
+    then a forced eos stops the request.
+    """
+
+    modality_from_argmax: bool = True
+    delay_warmup: bool = False
+    min_audio_frames: int = 0
+    drain: bool = False
+    deferred_eos: int | None = None  # required with drain: a special id the model never needs
+    guidance: bool = True  # classifier-free guidance against the all-pad prompt (OpusLM has none)
+
+    def validate(self, cfg: "SpeechLMConfig") -> None:
+        if isinstance(self.min_audio_frames, bool) or not isinstance(self.min_audio_frames, int) or self.min_audio_frames < 0:
+            raise _fail("decoding.min_audio_frames", f"must be an integer >= 0, got {self.min_audio_frames!r}")
+        if not self.drain:
+            return
+        lo, hi = cfg.special_range
+        d = self.deferred_eos
+        if not isinstance(d, int) or not lo <= d < hi or d in {tok for _, tok in cfg.specials.items()}:
+            raise _fail("decoding.deferred_eos", f"a drain needs an unnamed special id in [{lo}, {hi}), got {d!r}")
+        if cfg.stream_pad_slot:
+            raise _fail("decoding.drain", "a drain pads streams with the special pad: needs stream_pad_slot false")
+        if self.min_audio_frames < cfg.num_streams - 1:
+            # The eos and drain rows are told apart from text rows by a stream still emitting.
+            raise _fail("decoding.min_audio_frames", f"a drain needs >= S-1 = {cfg.num_streams - 1} audio frames")
+
+
+@dataclass(frozen=True)
 class SpeechLMConfig:
     """Validated layout of a delay-pattern speech LM. Build with `from_dict` / `from_model_dir`."""
 
@@ -108,6 +145,7 @@ class SpeechLMConfig:
     # The stream embedding is added to stream 0 too (OpusLM's per-stream head bias).
     primary_stream_embedding: bool = False
     codec: CodecSpec = field(default_factory=CodecSpec)
+    decoding: DecodingSpec = field(default_factory=DecodingSpec)
 
     # ---- derived layout -------------------------------------------------------------------
     @property
@@ -141,6 +179,7 @@ class SpeechLMConfig:
         self.text_sampling.validate("text_sampling")
         self.audio_sampling.validate("audio_sampling")
         self._validate_codec()
+        self.decoding.validate(self)
 
     def _validate_ranges(self) -> None:
         if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
@@ -197,7 +236,7 @@ class SpeechLMConfig:
         for key in ("special_range", "text_range", "stream_sizes"):
             if key in kw:
                 kw[key] = tuple(kw[key])
-        nested = {"specials": SpecialIds, "codec": CodecSpec}
+        nested = {"specials": SpecialIds, "codec": CodecSpec, "decoding": DecodingSpec}
         nested |= {"text_sampling": ModalitySampling, "audio_sampling": ModalitySampling}
         try:
             for key, kind in nested.items():
@@ -247,4 +286,60 @@ def bagpiper_layout(text_vocab_size: int = 151936) -> SpeechLMConfig:
         stream_sizes=stream_sizes,
         stream_pad_slot=True,
         specials=SpecialIds(pad=0, bos=1, eos=2, eot=3, system=4, user=5, assistant=6, text=7, audio=8),
+    )
+
+
+# OpusLM special ids (ESPnet `espnet2/speechlm/definitions.py`: 0-31 general, 32-63 modality
+# markers, 64-127 task tokens). The chat roles have no OpusLM equivalent: they are mapped to the
+# dialogue task tokens / the segment end so the shared phase machine has ids to work with.
+OPUSLM_SPECIALS = SpecialIds(
+    pad=0,
+    bos=1,
+    eos=5,  # <sos/eos>
+    eot=6,  # <local_sos/eos>
+    system=64,  # <textlm_task>
+    user=88,  # text_dialogue task
+    assistant=89,  # audio_dialogue task
+    text=35,  # <text_bpe_start/end>
+    audio=34,  # <codec_ssl_start/end>
+)
+OPUSLM_DEFERRED_EOS = 8  # <unused_token_8>
+OPUSLM_TEXT_VOCAB = {"opuslm": 100352, "opuslm-dialogue": 49152}  # OLMo-2 / SmolLM2 tokenizers
+OPUSLM_VOCAB_PADDING = 70  # released vocabularies: 113870 = 113800 + 70, 62670 = 62600 + 70
+
+
+def opuslm_layout(
+    family: str = "opuslm",
+    text_vocab_size: int | None = None,
+    min_audio_frames: int = 50,
+    vocab_padding: int = OPUSLM_VOCAB_PADDING,
+) -> SpeechLMConfig:
+    """OpusLM's layout: 256 specials, SSL units (stream 0, 5000), DAC 8 x 1024 (no pad slots:
+    the delay pad is token 0), then the backbone's text ids. Tiny checkpoints shrink the text
+    range (and may lower `min_audio_frames`); the codec side stays the real one."""
+    if family not in OPUSLM_TEXT_VOCAB:
+        raise ValueError(f"family: expected one of {sorted(OPUSLM_TEXT_VOCAB)}, got {family!r}")
+    text_vocab_size = OPUSLM_TEXT_VOCAB[family] if text_vocab_size is None else text_vocab_size
+    stream_sizes = (5000,) + (1024,) * 8
+    text_start = 256 + sum(stream_sizes)  # 13448
+    text_end = text_start + text_vocab_size
+    return SpeechLMConfig(
+        family=family,
+        vocab_size=text_end + vocab_padding,
+        special_range=(0, 256),
+        text_range=(text_start, text_end),
+        codec_start=256,
+        stream_sizes=stream_sizes,
+        stream_pad_slot=False,
+        specials=OPUSLM_SPECIALS,
+        primary_stream_embedding=True,
+        codec=CodecSpec(type="dac"),
+        decoding=DecodingSpec(
+            modality_from_argmax=False,
+            delay_warmup=True,
+            min_audio_frames=min_audio_frames,
+            drain=True,
+            deferred_eos=OPUSLM_DEFERRED_EOS,
+            guidance=False,
+        ),
     )

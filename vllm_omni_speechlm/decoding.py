@@ -10,12 +10,20 @@ Phase machine (one int per request, advanced by the sampled stream-0 token):
       |                                                                             |
       +--<|audio|>--> AUDIO <--------------------- <|audio|> -----------------------+
     any --<|eos|>--> DONE
+    AUDIO --deferred eos--> DRAIN --(S-1 forced pads, then a forced <|eos|>)--> DONE   (drain families)
 
 The row kind (which mask and which modality's sampling a row gets) depends on the phase and the
 request's output mode. In AUTO mode free rows follow the released rule, read from the argmax of
 the raw stream-0 logits: a modality marker -> CHOOSE row, a codec token -> AUDIO row, else TEXT.
 The forced modes (TEXT only, AUDIO only, TEXT_AUDIO) decide by phase, so even a random model
-walks through every phase.
+walks through every phase. Families without the argmax rule (`DecodingSpec`) decide by phase in
+AUTO mode too.
+
+Each request also carries `phase_step`, the number of steps taken in its current phase (0 on the
+first row of a phase). The family rules of `DecodingSpec` read it: in AUDIO, stream s is forced
+to pad while phase_step < s (delay warm-up) and eos is masked while phase_step < min_audio_frames;
+in DRAIN (drain row d = phase_step + 1), stream 0 is forced to pad for d < S and to eos at d = S,
+and stream s >= 1 still samples its last frames while d < s.
 
 Random-number contract (what the engine path reproduces exactly):
   * stream 0 is sampled by vLLM's sampler from the logits `process_primary_logits` returns:
@@ -49,6 +57,7 @@ class Phase(enum.IntEnum):
     AFTER_ASSISTANT = 3
     AUDIO = 4
     DONE = 5
+    DRAIN = 6  # after the (deferred) eos of a drain family: streams 1..S-1 finish their frames
 
 
 class OutputMode(enum.IntEnum):
@@ -76,6 +85,14 @@ class RowKind(enum.IntEnum):
     FORCE_AUDIO = 5
     FORCE_ASSISTANT = 6
     FORCE_EOT = 7  # the text budget (`max_text_tokens`) is spent
+    AUDIO_NO_EOS = 8  # an audio row before the minimum audio length
+    FORCE_PAD = 9  # a drain row: stream 0 is pad
+    FORCE_EOS = 10  # the drain is over
+
+
+def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
+    """[N] RowKind -> [N] bool: rows sampled as audio (audio settings, CFG, aux streams)."""
+    return (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
 
 
 def aux_seed(seed: int) -> int:
@@ -102,6 +119,10 @@ class DecodingRules:
         allowed[RowKind.FORCE_AUDIO, sp.audio] = True
         allowed[RowKind.FORCE_ASSISTANT, sp.assistant] = True
         allowed[RowKind.FORCE_EOT, sp.eot] = True
+        allowed[RowKind.AUDIO_NO_EOS] = allowed[RowKind.AUDIO]
+        allowed[RowKind.AUDIO_NO_EOS, sp.eos] = False
+        allowed[RowKind.FORCE_PAD, sp.pad] = True
+        allowed[RowKind.FORCE_EOS, sp.eos] = True
         # Additive masks: 0 where allowed, -inf elsewhere.
         self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
         self._tables(device)
@@ -120,7 +141,12 @@ class DecodingRules:
         table[M.TEXT_AUDIO, P.AFTER_ASSISTANT] = K.FORCE_AUDIO
         table[M.TEXT_AUDIO, P.AUDIO] = K.AUDIO
         table[:, P.TRANSITION] = K.FORCE_ASSISTANT
+        table[:, P.DRAIN] = K.FORCE_PAD  # FORCE_EOS once the drain is over (row_kinds)
+        if not self.cfg.decoding.modality_from_argmax:
+            table[M.AUTO, P.TEXT], table[M.AUTO, P.AUDIO] = K.TEXT, K.AUDIO
         self.kind_by_phase = table.to(device)
+        # Aux stream index s (1..S-1) of each aux column, for the warm-up and drain rules.
+        self.aux_index = torch.arange(1, self.cfg.num_streams, device=device)
         # Modality read from a raw argmax (AUTO free rows).
         cfg, sp = self.cfg, self.cfg.specials
         by_token = torch.full((cfg.vocab_size,), int(K.TEXT), dtype=torch.long)
@@ -133,24 +159,67 @@ class DecodingRules:
         nxt[cfg.codec_start : cfg.codec_end] = P.AUDIO
         nxt[sp.text], nxt[sp.audio] = P.TEXT, P.AUDIO
         nxt[sp.eot], nxt[sp.assistant], nxt[sp.eos] = P.TRANSITION, P.AFTER_ASSISTANT, P.DONE
+        dec = cfg.decoding
+        if dec.drain:
+            nxt[dec.deferred_eos] = P.DRAIN
         self.phase_by_token = nxt.to(device)
+        # What a sampled eos is emitted as, per phase: the deferred id in AUDIO (drain families).
+        eos_as = torch.full((len(P),), sp.eos, dtype=torch.long)
+        if dec.drain:
+            eos_as[P.AUDIO] = dec.deferred_eos
+        self.eos_by_phase = eos_as.to(device)
 
     # ---- phases ---------------------------------------------------------------------------
     def row_kinds(
-        self, phase: torch.Tensor, mode: torch.Tensor, raw_logits: torch.Tensor, generated: torch.Tensor, p: "RowSampling"
+        self,
+        phase: torch.Tensor,
+        mode: torch.Tensor,
+        raw_logits: torch.Tensor,
+        generated: torch.Tensor,
+        p: "RowSampling",
+        phase_step: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[N] phase, [N] mode, [N, V] raw stream-0 logits, [N] tokens generated so far -> [N] RowKind.
-        Text may fill the answer up to output index `max_text_tokens`; then <|eot|> is forced."""
+        """[N] phase, [N] mode, [N, V] raw stream-0 logits, [N] tokens generated so far, [N] steps
+        in the current phase -> [N] RowKind. Text may fill the answer up to output index
+        `max_text_tokens`; then <|eot|> is forced."""
         kind = self.kind_by_phase[mode, phase]
         from_logits = self.kind_by_argmax[raw_logits.argmax(dim=-1)]
         kind = torch.where(kind < 0, from_logits, kind)
         over_budget = (phase == Phase.TEXT) & (generated > p.max_text_tokens)
-        return torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
+        kind = torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
+        if phase_step is None:
+            return kind
+        dec, s = self.cfg.decoding, self.cfg.num_streams
+        too_short = (kind == RowKind.AUDIO) & (phase == Phase.AUDIO) & (phase_step < dec.min_audio_frames)
+        kind = torch.where(too_short, int(RowKind.AUDIO_NO_EOS), kind)
+        drained = (phase == Phase.DRAIN) & (phase_step >= s - 1)
+        return torch.where(drained, int(RowKind.FORCE_EOS), kind)
+
+    def aux_sampled(self, kind: torch.Tensor, phase_step: torch.Tensor) -> torch.Tensor:
+        """[N] kinds, [N] phase steps -> [N, S-1] bool: which aux streams keep their sampled
+        token (the rest are pad). Audio rows: all (or, with the delay warm-up, streams s <=
+        phase_step); drain row d = phase_step + 1: streams s > d (their last frames)."""
+        audio = is_audio_row(kind)
+        step = phase_step[:, None]
+        warm = step >= self.aux_index if self.cfg.decoding.delay_warmup else torch.ones_like(audio[:, None])
+        draining = (kind == RowKind.FORCE_PAD)[:, None] & (step + 1 < self.aux_index)
+        return (audio[:, None] & warm) | draining
+
+    def emitted_token(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """[N] phase, [N] sampled stream-0 token -> the token the request emits: a drain
+        family's first eos becomes the deferred eos (vLLM stops on eos; the drain must run)."""
+        sp = self.cfg.specials
+        return torch.where(token == sp.eos, self.eos_by_phase[phase], token)
 
     def advance(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """[N] phase, [N] sampled stream-0 token -> [N] next phase."""
+        """[N] phase, [N] emitted stream-0 token -> [N] next phase."""
         nxt = self.phase_by_token[token]
         return torch.where(nxt < 0, phase, nxt)
+
+    def step(self, phase: torch.Tensor, phase_step: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] phase, [N] phase step, [N] emitted token -> next (phase, phase step)."""
+        nxt = self.advance(phase, token)
+        return nxt, torch.where(nxt == phase, phase_step + 1, 0)
 
     def replay(self, tokens: list[int]) -> Phase:
         """Phase after a token history (e.g. a preempted request's outputs)."""
@@ -165,7 +234,7 @@ class DecodingRules:
         top-k, and text rows rescaled by T_engine / T_text because the engine divides every row
         of a request by one temperature (T_engine)."""
         logits = raw.float() + self.mask_bias[kind]
-        is_audio = kind == RowKind.AUDIO
+        is_audio = is_audio_row(kind)
         top_k = torch.where(is_audio, p.audio_top_k, p.text_top_k)
         logits = apply_top_k(logits, top_k, p.max_top_k)
         scale = torch.where(is_audio, p.audio_scale, p.text_scale)

@@ -70,10 +70,18 @@ class CodebookMap:
 
 
 def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
-    """[L, S] generated stream tokens -> [L] bool: rows whose stream 0 is a codec token (the
-    audio-row mask allows nothing else there, so the final eos row and text rows are False)."""
+    """[L, S] generated stream tokens -> [L] bool: the rows of the interleaved audio matrix.
+
+    Rows whose stream 0 is a codec token (the audio-row mask allows nothing else there, so text
+    rows and Bagpiper's final eos row are False). A drain family (`DecodingSpec.drain`) adds its
+    (deferred) eos row and drain rows while some stream still carries a frame: their stream 0 is
+    a special but an aux stream is not pad (text and forced rows have all aux streams pad), so
+    the last, all-pad drain row and the final eos drop out and T + S - 1 rows remain."""
     s0 = cfg.streams[0]
-    return (tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)
+    rows = (tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)
+    if cfg.decoding.drain:
+        rows |= (tokens[:, 1:] != cfg.specials.pad).any(dim=1)
+    return rows
 
 
 def audio_codes(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 import stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
-from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
+from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.deploy_checks import DeployPlan
@@ -51,6 +51,8 @@ class SpeechLMGenerator:
 
     >>> gen = SpeechLMGenerator("/path/to/model", max_num_seqs=64)
     >>> gen.generate(["Hello!"], modality="audio", seed=0)[0]["audio"]  # base64 16 kHz WAV
+
+    The deploy config defaults to the family's stage-0-only one (`stage_configs.LM_ONLY`).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, deploy_config: str | None = None, **engine_kwargs: Any):
@@ -62,8 +64,8 @@ class SpeechLMGenerator:
         self.model_dir = str(model_dir)
         self.cfg = SpeechLMConfig.from_model_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
-        self.codec = XCodecDecoder.from_pretrained(os.path.join(self.model_dir, self.cfg.codec.path)).eval()
-        deploy = deploy_config or stage_configs.path("speech_lm_only.yaml")
+        self.codec = load_codec_decoder(self.cfg.codec, self.model_dir)
+        deploy = deploy_config or stage_configs.path(stage_configs.LM_ONLY[self.cfg.family])
         # What the stages return, and a clear error for a YAML that cannot work, before any engine.
         self.plan = DeployPlan.from_yaml(deploy, async_chunk=engine_kwargs.get("async_chunk"))
         self.omni = Omni(model=self.model_dir, deploy_config=deploy, **engine_kwargs)

@@ -1,12 +1,13 @@
 """`speechlm-make-tiny`: write a complete tiny random checkpoint of a model family.
 
-    speechlm-make-tiny --family bagpiper --out DIR [--seed N]
+    speechlm-make-tiny --family {bagpiper,opuslm,opuslm-dialogue} --out DIR [--seed N]
 
 The directory is what a real converted checkpoint looks like: `config.json` (backbone fields +
 the `speechlm` section), `model.safetensors` (Hugging Face parameter names plus
 `stream_embeddings.weight`), a tokenizer over the unified vocabulary, and `codec/` (an
-X-Codec-architecture decoder). Same seed, same bytes. Geometry: head_dim 32 (vLLM's CPU
-attention needs >= 32), 2 layers, so engine start dominates test time.
+X-Codec-architecture decoder for Bagpiper, a DAC one for OpusLM). Same seed, same bytes.
+Geometry: head_dim 32 (vLLM's CPU attention needs >= 32), 2 layers, so engine start dominates
+test time. Backbones: Qwen3 (Bagpiper), OLMo-2 (OpusLM), Llama/SmolLM2 (OpusLM-Dialogue).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
 
+from vllm_omni_speechlm.codec.dac import write_tiny_dac
 from vllm_omni_speechlm.codec.xcodec import write_tiny_xcodec
-from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout
+from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout, opuslm_layout
 from vllm_omni_speechlm.tokenizer import build_tokenizer, train_text_bpe, write_hf_tokenizer
 
 
@@ -49,7 +52,41 @@ BAGPIPER_8B = BackboneGeometry(
 )
 
 TINY_TEXT_VOCAB = 400  # byte-level BPE: 256 bytes + merges
-FAMILIES = {"bagpiper": ("qwen3", "BagpiperForCausalLM")}
+# OpusLM's released minimum is 50 frames; tiny checkpoints end audio sooner (a drain needs >= S-1).
+TINY_MIN_AUDIO_FRAMES = 10
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # the backbone's Hugging Face model_type (picks the backbone)
+    arch: str
+    layout: Callable[[int], SpeechLMConfig]  # text vocabulary size -> layout
+    write_codec: Callable[[str, int], None]
+    rope_theta: float
+    rms_norm_eps: float
+
+
+FAMILIES = {
+    "bagpiper": Family(
+        "qwen3", "BagpiperForCausalLM", lambda n: bagpiper_layout(text_vocab_size=n), write_tiny_xcodec, 1e6, 1e-6
+    ),
+    "opuslm": Family(
+        "olmo2",
+        "OpusLMForCausalLM",
+        lambda n: opuslm_layout("opuslm", n, min_audio_frames=TINY_MIN_AUDIO_FRAMES),
+        write_tiny_dac,
+        5e5,
+        1e-6,
+    ),
+    "opuslm-dialogue": Family(
+        "llama",
+        "OpusLMForCausalLM",
+        lambda n: opuslm_layout("opuslm-dialogue", n, min_audio_frames=TINY_MIN_AUDIO_FRAMES),
+        write_tiny_dac,
+        1.3e5,
+        1e-5,
+    ),
+}
 
 
 def backbone_config(layout: SpeechLMConfig, geo: BackboneGeometry, model_type: str, arch: str) -> dict:
@@ -79,8 +116,18 @@ def backbone_config(layout: SpeechLMConfig, geo: BackboneGeometry, model_type: s
     }
 
 
-def random_weights(layout: SpeechLMConfig, geo: BackboneGeometry, seed: int) -> dict[str, torch.Tensor]:
-    """Random Qwen3-layout weights. Larger-than-usual scales keep logits peaked, so argmax
+def _layer_norm_names(model_type: str) -> tuple[tuple[str, ...], bool]:
+    """(per-layer hidden-size norms, q/k norm over all heads?) of a backbone; q/k norms: Qwen3
+    per head, OLMo-2 over the whole projection, Llama none."""
+    if model_type == "olmo2":
+        return ("post_attention_layernorm", "post_feedforward_layernorm"), True
+    return ("input_layernorm", "post_attention_layernorm"), False
+
+
+def random_weights(
+    layout: SpeechLMConfig, geo: BackboneGeometry, seed: int, model_type: str = "qwen3"
+) -> dict[str, torch.Tensor]:
+    """Random backbone weights. Larger-than-usual scales keep logits peaked, so argmax
     decisions are far from ties and float32 engines agree with the reference."""
     g = torch.Generator().manual_seed(seed)
     h, kv = geo.hidden_size, geo.num_key_value_heads * geo.head_dim
@@ -92,22 +139,23 @@ def random_weights(layout: SpeechLMConfig, geo: BackboneGeometry, seed: int) -> 
         return 1.0 + randn(n, std=0.1)
 
     w = {"model.embed_tokens.weight": randn(layout.vocab_size, h, std=0.5)}
+    layer_norms, full_qk = _layer_norm_names(model_type)
+    q = geo.num_attention_heads * geo.head_dim
     for i in range(geo.num_hidden_layers):
         p = f"model.layers.{i}."
-        q = geo.num_attention_heads * geo.head_dim
+        w |= {p + name + ".weight": norm(h) for name in layer_norms}
         w |= {
-            p + "input_layernorm.weight": norm(h),
             p + "self_attn.q_proj.weight": randn(q, h, std=h**-0.5),
             p + "self_attn.k_proj.weight": randn(kv, h, std=h**-0.5),
             p + "self_attn.v_proj.weight": randn(kv, h, std=h**-0.5),
             p + "self_attn.o_proj.weight": randn(h, q, std=q**-0.5),
-            p + "self_attn.q_norm.weight": norm(geo.head_dim),
-            p + "self_attn.k_norm.weight": norm(geo.head_dim),
-            p + "post_attention_layernorm.weight": norm(h),
             p + "mlp.gate_proj.weight": randn(geo.intermediate_size, h, std=h**-0.5),
             p + "mlp.up_proj.weight": randn(geo.intermediate_size, h, std=h**-0.5),
             p + "mlp.down_proj.weight": randn(h, geo.intermediate_size, std=geo.intermediate_size**-0.5),
         }
+        if model_type != "llama":
+            w[p + "self_attn.q_norm.weight"] = norm(q if full_qk else geo.head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(kv if full_qk else geo.head_dim)
     stream_emb = randn(layout.num_streams, h, std=0.5)
     if not layout.primary_stream_embedding:
         stream_emb[0] = 0.0  # Bagpiper's e_0 is zero
@@ -116,7 +164,15 @@ def random_weights(layout: SpeechLMConfig, geo: BackboneGeometry, seed: int) -> 
         "lm_head.weight": randn(layout.vocab_size, h, std=0.5),
         "stream_embeddings.weight": stream_emb,
     }
+    if layout.decoding.drain:
+        # ESPnet's embedding has padding_idx 0 (a zero pad vector); a stronger eos row makes the
+        # random model end its audio within tens of steps, so tests exercise the drain.
+        w["model.embed_tokens.weight"][layout.specials.pad] = 0.0
+        w["lm_head.weight"][layout.specials.eos] *= TINY_EOS_BOOST
     return {k: v.contiguous() for k, v in w.items()}
+
+
+TINY_EOS_BOOST = 2.0
 
 
 def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, speech: bool = True) -> None:
@@ -125,8 +181,8 @@ def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, spe
     backbone and vocabulary (the benchmarks' baseline). The tokenizer is the tiny one (prompts
     are token ids; it only has to load)."""
     layout = bagpiper_layout()
-    model_type, arch = FAMILIES["bagpiper"]
-    config = backbone_config(layout, geo, model_type, arch if speech else "Qwen3ForCausalLM")
+    family = FAMILIES["bagpiper"]
+    config = backbone_config(layout, geo, family.model_type, family.arch if speech else "Qwen3ForCausalLM")
     config["dtype"] = "bfloat16"
     if not speech:
         del config[SPEECHLM_KEY]
@@ -142,16 +198,17 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechL
     """Write the tiny checkpoint; returns its layout."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
-    model_type, arch = FAMILIES[family]
+    fam = FAMILIES[family]
     text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
-    layout = bagpiper_layout(text_vocab_size=len(text_vocab))
-    geo = BackboneGeometry()
+    layout = fam.layout(len(text_vocab))
+    geo = BackboneGeometry(rope_theta=fam.rope_theta, rms_norm_eps=fam.rms_norm_eps)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(backbone_config(layout, geo, model_type, arch), f, indent=2, sort_keys=True)
-    save_file(random_weights(layout, geo, seed), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        json.dump(backbone_config(layout, geo, fam.model_type, fam.arch), f, indent=2, sort_keys=True)
+    weights = random_weights(layout, geo, seed, fam.model_type)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
     write_hf_tokenizer(build_tokenizer(layout, text_vocab, merges), layout, out_dir)
-    write_tiny_xcodec(os.path.join(out_dir, layout.codec.path), seed=seed)
+    fam.write_codec(os.path.join(out_dir, layout.codec.path), seed)
     return layout
 
 

@@ -94,4 +94,33 @@ BAGPIPER_FUSED_PIPELINE = PipelineConfig(
     stages=(speech_lm_stage(BAGPIPER_FUSED_ARCH),),
 )
 
-PIPELINES = (BAGPIPER_AR_PIPELINE, BAGPIPER_TWO_STAGE_PIPELINE, BAGPIPER_FUSED_PIPELINE)
+# ---- OpusLM / OpusLM-Dialogue: the same stages; the codec stage decodes DAC (codec.type) ------
+OPUSLM_ARCH = "OpusLMForCausalLM"
+SPEECHLM_CODEC_DECODER_ARCH = "SpeechLMCodecDecoder"
+
+OPUSLM_AR_PIPELINE = PipelineConfig(
+    model_type="opuslm",
+    model_arch=OPUSLM_ARCH,
+    stages=(speech_lm_stage(OPUSLM_ARCH),),
+    hf_architectures=(OPUSLM_ARCH,),
+    hf_config_predicate=_is_speechlm,
+)
+
+OPUSLM_TWO_STAGE_PIPELINE = PipelineConfig(
+    model_type="opuslm_two_stage",  # by name only (deploy YAML `pipeline:`)
+    model_arch=OPUSLM_ARCH,
+    stages=(
+        speech_lm_stage(
+            OPUSLM_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
+        ),
+        codec_decoder_stage(model_arch=SPEECHLM_CODEC_DECODER_ARCH, sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
+    ),
+)
+
+PIPELINES = (
+    BAGPIPER_AR_PIPELINE,
+    BAGPIPER_TWO_STAGE_PIPELINE,
+    BAGPIPER_FUSED_PIPELINE,
+    OPUSLM_AR_PIPELINE,
+    OPUSLM_TWO_STAGE_PIPELINE,
+)

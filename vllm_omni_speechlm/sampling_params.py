@@ -61,6 +61,8 @@ class SpeechSamplingParams:
 
     def resolve(self, cfg: SpeechLMConfig) -> SpeechSamplingParams:
         """Fill unset fields from the checkpoint's per-modality defaults."""
+        if self.use_cfg and not cfg.decoding.guidance:
+            raise ValueError(f"cfg_scale: the {cfg.family} family has no classifier-free guidance (use 1.0)")
         t, a = cfg.text_sampling, cfg.audio_sampling
         return dataclasses.replace(
             self,

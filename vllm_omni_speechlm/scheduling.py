@@ -51,7 +51,7 @@ class _PairedCFGMixin:
         self.partner: dict[str, str] = {}  # both directions: main <-> companion
         self._held_steps: dict[str, int] = {}  # main id -> consecutive steps held back
         self._orphans: set[str] = set()  # pair members whose partner finished first
-        self._pad = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config).specials.pad
+        self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:  # companions have nothing to send downstream
             send = adapter.save_async
@@ -68,18 +68,17 @@ class _PairedCFGMixin:
             self.partner[companion.request_id] = request.request_id
             super().add_request(companion)
 
-    @staticmethod
-    def _wants_guidance(request: Any) -> bool:
+    def _wants_guidance(self, request: Any) -> bool:
         payload = getattr(request, "additional_information", None)
         info = deserialize_additional_information(payload) if payload is not None else {}
-        return wants_guidance(info.get(SPEECH_PARAMS_KEY))
+        return wants_guidance(info.get(SPEECH_PARAMS_KEY), self.speech)
 
     def _companion_of(self, main: Any) -> OmniRequest:
         return OmniRequest(
             request_id=companion_id(main.request_id),
             external_req_id=companion_id(main.external_req_id or main.request_id),
             client_index=main.client_index,
-            prompt_token_ids=unconditional_prompt(main.prompt_token_ids, self._pad),
+            prompt_token_ids=unconditional_prompt(main.prompt_token_ids, self.speech.specials.pad),
             sampling_params=main.sampling_params.clone(),
             pooling_params=None,
             arrival_time=main.arrival_time,

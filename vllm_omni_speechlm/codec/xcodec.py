@@ -482,8 +482,11 @@ class XCodecDecoder(nn.Module):
             (XcodecModel.decode's [B, 1, N] without the channel dim). Not clipped to [-1, 1].
         """
         self.check_codes(codes)
-        codes = codes.to(device=self.fc2.weight.device, dtype=torch.long)
-        quantized = self.quantizer(codes)  # [B, T, codebook_dim]
+        return self.decode(codes.to(device=self.fc2.weight.device))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """`forward` without the checks (no host sync): codes must already be valid."""
+        quantized = self.quantizer(codes.long())  # [B, T, codebook_dim]
         acoustic = self.fc2(quantized).transpose(1, 2)  # [B, acoustic_hidden_size, T]
         return self.acoustic_decoder(acoustic).squeeze(1)  # [B, T * hop_length]
 

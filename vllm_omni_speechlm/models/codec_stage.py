@@ -1,11 +1,13 @@
-"""Stage 1 of `bagpiper_streaming`: the X-Codec decoder as a vllm-omni generation model.
+"""Stage 1 of the two-stage pipelines: the codec decoder (X-Codec for Bagpiper, DAC for
+OpusLM, from the checkpoint's `codec.type`) as a vllm-omni generation model.
 
 Each scheduled request carries one window from `stage_input_processors.speech_codec` as its
 prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_context_size` /
 `meta.right_holdback_size` in its runtime information. One forward decodes all windows of the
 step, windows of equal length together in one batched codec call (unequal lengths are not padded:
 padding frames would change the last real frames' audio, which at a clip's end is kept), and
-returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz.
+returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
+(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`).
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -15,14 +17,13 @@ is checked against float32 whole-clip decoding.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
+from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 
 
@@ -34,8 +35,8 @@ def _meta_int(info: Any, key: str) -> int:
     return int(value)
 
 
-class BagpiperCodecDecoder(nn.Module):
-    """Generation-stage X-Codec decoder (decoder path only)."""
+class SpeechLMCodecDecoder(nn.Module):
+    """Generation-stage codec decoder (decoder path only)."""
 
     have_multimodal_outputs = True
     has_preprocess = False
@@ -47,7 +48,7 @@ class BagpiperCodecDecoder(nn.Module):
         self._setup(vllm_config.model_config.model, vllm_config.device_config.device)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu") -> BagpiperCodecDecoder:
+    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu") -> SpeechLMCodecDecoder:
         """The same stage model outside an engine (tests, tools)."""
         model = cls.__new__(cls)
         nn.Module.__init__(model)
@@ -56,7 +57,7 @@ class BagpiperCodecDecoder(nn.Module):
 
     def _setup(self, model_dir: str, device: str | torch.device) -> None:
         self.cfg = SpeechLMConfig.from_model_dir(model_dir)
-        self.codec = XCodecDecoder.from_pretrained(os.path.join(model_dir, self.cfg.codec.path), device=device)
+        self.codec = load_codec_decoder(self.cfg.codec, model_dir, device=device)
         self.num_quantizers = self.codec.config.num_quantizers
         self.hop = self.codec.config.hop_length
         self.sample_rate = self.codec.config.sample_rate
@@ -109,17 +110,19 @@ class BagpiperCodecDecoder(nn.Module):
             # The processor clamps to [0, codebook_size); clamp again so a stray id (a dummy run)
             # cannot index out of the codebooks.
             codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
-            wav = self.codec.acoustic_decoder(self.codec.fc2(self.codec.quantizer(codes)).transpose(1, 2))
-            wav = wav.squeeze(1).float()  # [B, T * hop]
+            wav = self.codec.decode(codes).float()  # [B, ~T * hop]
             for row, i in enumerate(idx):
-                out[i] = self._trim(wav[row], infos[i])
+                out[i] = self._trim(wav[row], codes.shape[-1], infos[i])
         return out
 
-    def _trim(self, wav: torch.Tensor, info: dict) -> torch.Tensor:
-        """Keep the new frames: drop left context and right holdback. [T*hop] -> [new*hop]."""
+    def _trim(self, wav: torch.Tensor, num_frames: int, info: dict) -> torch.Tensor:
+        """Keep the new frames: drop left context and right holdback (counted in frames: a
+        decoder may return a few samples less than T * hop at the clip's end)."""
         start = _meta_int(info, "left_context_size") * self.hop
-        end = wav.shape[-1] - _meta_int(info, "right_holdback_size") * self.hop
+        end = min(wav.shape[-1], (num_frames - _meta_int(info, "right_holdback_size")) * self.hop)
         return wav[start:max(start, end)].contiguous()
 
 
-BagpiperCodecDecoderForGeneration = BagpiperCodecDecoder
+BagpiperCodecDecoder = SpeechLMCodecDecoder  # the architecture name Bagpiper's pipelines use
+SpeechLMCodecDecoderForGeneration = SpeechLMCodecDecoder
+BagpiperCodecDecoderForGeneration = SpeechLMCodecDecoder

@@ -44,6 +44,7 @@ class RequestTable:
         self.capacity = capacity
         self.free = list(range(capacity - 1, -1, -1))
         self.phase = torch.zeros(capacity, dtype=torch.long, device=d)
+        self.phase_step = torch.zeros(capacity, dtype=torch.long, device=d)  # steps in the current phase
         self.mode = torch.zeros(capacity, dtype=torch.long, device=d)
         self.ints = torch.zeros(capacity, 3, dtype=torch.long, device=d)  # text k, audio k, text budget
         self.floats = torch.ones(capacity, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
@@ -51,10 +52,10 @@ class RequestTable:
 
     def _grow(self) -> None:
         """Double the tables (more live requests than expected: preempted ones keep slots)."""
-        old = (self.phase, self.mode, self.ints, self.floats, self.aux_history)
+        old = (self.phase, self.phase_step, self.mode, self.ints, self.floats, self.aux_history)
         n = self.capacity
         self._allocate(2 * n)
-        for new, prev in zip((self.phase, self.mode, self.ints, self.floats, self.aux_history), old):
+        for new, prev in zip((self.phase, self.phase_step, self.mode, self.ints, self.floats, self.aux_history), old):
             new[:n] = prev
         self.free = [s for s in self.free if s >= n]
 
@@ -78,6 +79,7 @@ class RequestTable:
             self.num_companions += 1
         self.entries[req_id] = entry
         self.phase[slot] = int(Phase.START)
+        self.phase_step[slot] = 0
         self.mode[slot] = int(params.modality)
         self.ints[slot] = torch.tensor([tk, ak, budget])
         self.floats[slot] = torch.tensor([ts, as_, div])

@@ -35,7 +35,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, RowKind
+from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
@@ -233,14 +233,15 @@ class SpeechLMForCausalLM(nn.Module):
         slots = _to_device([e.slot for e in step.entries], raw.device)
         generated = _to_device(step.generated, raw.device).clamp_(max=table.max_output_len - 1)
         rows = table.row_sampling(slots, step.entries)
-        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows)
+        phase_step = table.phase_step[slots]
+        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
         aux_logits = self._aux_logits(hidden_states)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
         if step.guided is not None:
             raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, step.guided)
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
         aux = rules.sample_aux_streams(aux_logits, rows, noise) + self.aux_start
-        aux = torch.where(kinds[:, None] == RowKind.AUDIO, aux, self.speech.specials.pad)
+        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
         if step.guided is not None:  # the companion is fed the main's tokens
             main, companion, _ = step.guided
             aux[companion] = aux[main]
@@ -273,7 +274,7 @@ class SpeechLMForCausalLM(nn.Module):
         their main's kind: whatever they sample is replaced by the main's tokens."""
         main, companion, scale = guided
         kinds[companion] = kinds[main]
-        audio = kinds[main] == RowKind.AUDIO
+        audio = is_audio_row(kinds[main])
         raw, aux = raw.float(), aux.float()
         merged = merge_guided(raw[main], raw[companion], scale[:, None])
         raw[main] = torch.where(audio[:, None], merged, raw[main])
@@ -290,11 +291,14 @@ class SpeechLMForCausalLM(nn.Module):
         if self._step.guided is not None:  # in place: vLLM feeds these ids to the next step
             main, companion, _ = self._step.guided
             out.sampled_token_ids[companion] = out.sampled_token_ids[main]
+        # A drain family's first eos is emitted deferred (vLLM would stop on it): rewrite in place.
         token = out.sampled_token_ids[:, 0].long()
+        token[idx] = rules.emitted_token(table.phase[slots], token[idx])
+        out.sampled_token_ids[:, 0] = token.to(out.sampled_token_ids.dtype)
         self._frames[:, 0] = token
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self._frames_host.copy_(self._frames, non_blocking=True)
-        table.phase[slots] = rules.advance(table.phase[slots], token[idx])
+        table.phase[slots], table.phase_step[slots] = rules.step(table.phase[slots], table.phase_step[slots], token[idx])
         self._step.sampled = None
         return out
 

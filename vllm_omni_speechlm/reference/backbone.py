@@ -1,5 +1,10 @@
-"""A plain-PyTorch Qwen3 decoder (no vLLM, no transformers): the reference's backbone.
+"""Plain-PyTorch decoders (no vLLM, no transformers): the reference's backbones.
 
+Three variants of one pre-LN/RoPE/SwiGLU stack, chosen by config.json's `model_type`:
+  qwen3   per-head q/k RMSNorm, pre-norm layers (Bagpiper)
+  olmo2   q/k RMSNorm over the whole projection (all heads), post-norm layers:
+          x + norm(attn(x)), then + norm(mlp(.)) (`post_feedforward_layernorm`) (OpusLM 7B)
+  llama   no q/k norm, pre-norm layers (SmolLM2: OpusLM-Dialogue)
 Written for clarity and exactness, not speed: one concatenating KV cache, SDPA attention.
 Parameter names are the Hugging Face checkpoint's (`model.layers.N.self_attn.q_proj.weight`, ...).
 """
@@ -25,6 +30,15 @@ class BackboneConfig:
     head_dim: int
     rope_theta: float
     rms_norm_eps: float
+    model_type: str = "qwen3"
+
+    @property
+    def qk_norm(self) -> str:
+        return {"qwen3": "head", "olmo2": "full"}.get(self.model_type, "none")
+
+    @property
+    def post_norm(self) -> bool:
+        return self.model_type == "olmo2"
 
     @classmethod
     def from_json(cls, raw: dict) -> BackboneConfig:
@@ -38,6 +52,7 @@ class BackboneConfig:
             head_dim=head_dim,
             rope_theta=float(theta),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            model_type=raw.get("model_type", "qwen3"),
         )
 
 
@@ -82,15 +97,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+        if c.qk_norm != "none":
+            full = c.qk_norm == "full"
+            self.q_norm = RMSNorm(self.heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, H] -> q [B, L, heads, d], k, v [B, L, kv_heads, d] (q/k normed)."""
+        b, n, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, n, self.heads, self.head_dim), k.view(b, n, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(b, n, self.kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: list) -> torch.Tensor:
         """x [B, L, H]; `cache` is this layer's [k, v] ([B, kv_heads, past, d] or empty)."""
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))
         q, k = rotary(q, positions), rotary(k, positions)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
@@ -115,17 +142,24 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: BackboneConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_norm = c.post_norm
+        if not c.post_norm:
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
     def forward(self, x, positions, rotary, cache):
+        if self.post_norm:  # OLMo-2
+            x = x + self.post_attention_layernorm(self.self_attn(x, positions, rotary, cache))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Backbone(nn.Module):
+class DecoderBackbone(nn.Module):
     """Embeddings + decoder layers + final norm. `forward` takes input embeddings (the speech LM
     sums several streams' embeddings per position) and returns final-normed hidden states."""
 
@@ -147,3 +181,4 @@ class Qwen3Backbone(nn.Module):
         for layer, layer_cache in zip(self.layers, cache):
             x = layer(x, positions, self.rotary, layer_cache)
         return self.norm(x)
+

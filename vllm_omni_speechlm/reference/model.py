@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.cfg import merge_guided, unconditional_prompt
-from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
+from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, aux_seed
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row
 from vllm_omni_speechlm.delay_pattern import audio_codes
-from vllm_omni_speechlm.reference.backbone import BackboneConfig, Qwen3Backbone
+from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text
 
@@ -64,11 +64,15 @@ class ReferenceSpeechLM:
             raw = json.load(f)
         self.cfg = cfg = SpeechLMConfig.from_model_dir(model_dir)
         self.device, self.dtype = torch.device(device), dtype
-        self.backbone = Qwen3Backbone(BackboneConfig.from_json(raw))
+        self.backbone = DecoderBackbone(BackboneConfig.from_json(raw))
         weights = load_file(os.path.join(model_dir, "model.safetensors"))
         self.lm_head = weights.pop("lm_head.weight").to(device, dtype)  # [V, H]
         self.stream_emb = weights.pop("stream_embeddings.weight").to(device, dtype)  # [S, H]
-        self.backbone.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        if cfg.decoding.drain:  # the deferred eos is the eos, under another id (see DecodingSpec)
+            emb = weights["embed_tokens.weight"]
+            emb[cfg.decoding.deferred_eos] = emb[cfg.specials.eos]
+        self.backbone.load_state_dict(weights)
         self.backbone.to(device, dtype).eval()
         if not cfg.primary_stream_embedding:
             self.stream_emb[0] = 0.0
@@ -78,7 +82,7 @@ class ReferenceSpeechLM:
         self.aux_start = torch.tensor([s.vocab_start for s in aux], device=device)
         self.rules = DecodingRules(cfg, device)
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        self.codec = XCodecDecoder.from_pretrained(os.path.join(model_dir, cfg.codec.path), device=device).eval()
+        self.codec = load_codec_decoder(cfg.codec, model_dir, device=device)
 
     # ---- one step -------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -113,6 +117,7 @@ class ReferenceSpeechLM:
             g_aux = torch.Generator(self.device).manual_seed(aux_seed(p.seed))
         mode = torch.tensor([int(p.modality)], device=self.device)
         phase = torch.tensor([int(Phase.START)], device=self.device)
+        phase_step = torch.zeros(1, dtype=torch.long, device=self.device)
 
         branches = [prompt_ids] + ([unconditional_prompt(prompt_ids, cfg.specials.pad)] if p.use_cfg else [])
         prompt = torch.zeros(len(branches), len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
@@ -124,19 +129,21 @@ class ReferenceSpeechLM:
         w = cfg.num_streams - 1
         for step in range(p.max_tokens):
             logits0, logits_aux = self.heads(hidden)
-            kind = rules.row_kinds(phase, mode, logits0[:1], torch.tensor([step], device=self.device), rows)
+            generated = torch.tensor([step], device=self.device)
+            kind = rules.row_kinds(phase, mode, logits0[:1], generated, rows, phase_step)
             if p.use_cfg:  # guidance on audio rows only; modality is read from the cond branch
-                audio = kind == RowKind.AUDIO
+                audio = is_audio_row(kind)
                 logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
             tok0 = engine_sample(rules.process_primary_logits(logits0, kind, rows), p.engine_temperature, g0)
+            tok0 = rules.emitted_token(phase, tok0)  # a drain family's first eos is deferred
             noise = torch.empty(1, w, cfg.aux_stream_width, device=self.device).exponential_(generator=g_aux)
             aux = rules.sample_aux_streams(logits_aux, rows, noise) + self.aux_start
-            aux = torch.where(kind[:, None] == RowKind.AUDIO, aux, cfg.specials.pad)
+            aux = torch.where(rules.aux_sampled(kind, phase_step), aux, cfg.specials.pad)
             token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S]
             steps.append(token[0])
             kinds.append(kind[0])
-            phase = rules.advance(phase, tok0)
+            phase, phase_step = rules.step(phase, phase_step, tok0)
             if int(phase) == Phase.DONE or (p.modality == OutputMode.TEXT and int(tok0) == cfg.specials.eot):
                 finish = "stop"
                 break

@@ -1,0 +1,242 @@
+"""`speechlm-convert`: a released ESPnet SpeechLM checkpoint -> a directory this project serves.
+
+    speechlm-convert --family {opuslm,opuslm-dialogue} --espnet-checkpoint EXP/model.pth \
+        --text-tokenizer BACKBONE/tokenizer.json --codec DAC_DIR --out DIR \
+        [--config EXP/config.yaml] [--backbone-config BACKBONE/config.json] [--min-audio-frames 50]
+
+ESPnet ships no `config.json`: the experiment has a `config.yaml` (the training arguments) and a
+`*.pth` state dict. What this reads, and where the names come from (ESPnet master):
+  config.yaml   `token_list` (every id's string, saved expanded by espnet2/tasks/speechlm.py
+                `build_model`), `token_bias` (modality -> [start, end), `process_token_bias`),
+                `codec_token_in_use` (nq: the number of streams), `transformer_conf.n_ctx`.
+  model.pth     espnet2/speechlm/espnet_model.py keeps the core LM as `corelm`;
+                core_lm/ar_parallel.py (ar_delay's base) names `emb` (input embedding, padding_idx
+                0), `lm_head`, `head_emb` (per-stream head bias, 12 rows, the first nq used) and
+                `decoders`; module/huggingface.py's `HFTransformerDecoder` keeps the backbone body
+                (a transformers AutoModel: OLMo-2 or Llama, input embeddings removed) as
+                `decoders.model`. Newer ESPnet adds `aux_lm_head` (Linear over the codec range
+                for streams 1..S-1, tasks/speechlm.py `aux_vocab_size`).
+The backbone's own config (heads, RoPE, eps) is not in the experiment (ESPnet names the HF model
+by `hf_model_tag`): pass its config.json, or the family's released geometry is used; shapes are
+checked against the weights. The text ids are the backbone tokenizer's ids shifted into
+`token_bias["text_bpe"]`; its tokenizer.json gives the merges (checked against `token_list`).
+The codec directory is a transformers `DacModel` checkpoint (descript/dac_16khz), copied.
+
+Output: config.json (backbone fields + the `speechlm` section), model.safetensors (HF names,
+`stream_embeddings.weight` = head_emb[:nq]; `aux_lm_head` rows go to lm_head's codec rows, which
+stream 0 never samples), tokenizer.json / tokenizer_config.json, codec/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, opuslm_layout
+from vllm_omni_speechlm.make_tiny import FAMILIES, BackboneGeometry, backbone_config
+from vllm_omni_speechlm.tokenizer import build_tokenizer, write_hf_tokenizer
+
+# Backbone geometry of the released models (the HF models their `hf_model_tag` names).
+RELEASED_BACKBONES = {
+    "opuslm": dict(  # allenai/OLMo-2-1124-7B
+        num_attention_heads=32, num_key_value_heads=32, rope_theta=500000.0, rms_norm_eps=1e-6
+    ),
+    "opuslm-dialogue": dict(  # HuggingFaceTB/SmolLM2-1.7B
+        num_attention_heads=32, num_key_value_heads=32, rope_theta=130000.0, rms_norm_eps=1e-5
+    ),
+}
+CORELM = "corelm."
+# ESPnet special-token strings the layout relies on (espnet2/speechlm/definitions.py).
+EXPECTED_TOKENS = {0: "<pad>", 5: "<sos/eos>", 34: "<codec_ssl_start/end>", 35: "<text_bpe_start/end>"}
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"speechlm-convert: {message}")
+
+
+def read_espnet_config(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    for key in ("token_list", "token_bias"):
+        if key not in raw:
+            raise _fail(f"{path}: no '{key}' (not an ESPnet SpeechLM config.yaml?)")
+    if not isinstance(raw["token_list"], list):
+        raise _fail(f"{path}: token_list must be the expanded list of token strings")
+    return raw
+
+
+def layout_from_espnet(family: str, raw: dict[str, Any], min_audio_frames: int = 50) -> SpeechLMConfig:
+    """The family layout, sized by token_bias / token_list and checked against them."""
+    tokens, bias = raw["token_list"], {k: tuple(v) for k, v in raw["token_bias"].items()}
+    for key in ("ssl", "codec", "text_bpe"):
+        if key not in bias:
+            raise _fail(f"config.yaml token_bias: no '{key}' range (got {sorted(bias)})")
+    text_lo, text_hi = bias["text_bpe"]
+    layout = opuslm_layout(family, text_hi - text_lo, min_audio_frames, vocab_padding=len(tokens) - text_hi)
+    s0, codec = layout.streams[0], layout.streams[1:]
+    expected = {"ssl": (s0.vocab_start, s0.vocab_end), "codec": (codec[0].vocab_start, codec[-1].vocab_end)}
+    expected["text_bpe"] = layout.text_range
+    for key, rng in expected.items():
+        if bias[key] != rng:
+            raise _fail(f"config.yaml token_bias.{key}: {list(bias[key])}, the {family} layout has {list(rng)}")
+    nq = raw.get("codec_token_in_use", layout.num_streams)
+    if nq != layout.num_streams:
+        raise _fail(f"config.yaml codec_token_in_use: {nq}, the {family} layout has {layout.num_streams} streams")
+    for idx, name in EXPECTED_TOKENS.items():
+        if tokens[idx] != name:
+            raise _fail(f"config.yaml token_list[{idx}] is {tokens[idx]!r}, expected {name!r}")
+    return layout
+
+
+def load_espnet_state(path: str) -> dict[str, torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]  # trainer checkpoints wrap the model's state dict
+    if not any(k.startswith(CORELM) for k in state):
+        raise _fail(f"{path}: no '{CORELM}*' tensors (not an ESPnet SpeechLM state dict?)")
+    return state
+
+
+def convert_weights(state: dict[str, torch.Tensor], layout: SpeechLMConfig) -> dict[str, torch.Tensor]:
+    """ESPnet names -> the project's (Hugging Face backbone names + stream_embeddings)."""
+    out: dict[str, torch.Tensor] = {}
+    body = CORELM + "decoders.model."
+    for key, tensor in state.items():
+        if key.startswith(body):
+            name = key[len(body) :]
+            if "rotary_emb" in name or name.startswith("embed_tokens"):
+                continue  # a buffer; the input embedding is corelm.emb
+            out["model." + name] = tensor
+    try:
+        out["model.embed_tokens.weight"] = state[CORELM + "emb.weight"]
+        lm_head = state[CORELM + "lm_head.weight"].clone()
+        head_emb = state[CORELM + "head_emb.weight"]
+    except KeyError as e:
+        raise _fail(f"model.pth: missing {e.args[0]}") from None
+    if head_emb.shape[0] < layout.num_streams:
+        raise _fail(f"model.pth: head_emb has {head_emb.shape[0]} rows < {layout.num_streams} streams")
+    aux = state.get(CORELM + "aux_lm_head.weight")
+    if aux is not None:
+        lo, hi = layout.streams[1].vocab_start, layout.streams[-1].vocab_end
+        if aux.shape[0] != hi - lo:
+            raise _fail(f"model.pth: aux_lm_head has {aux.shape[0]} rows, the codec range has {hi - lo}")
+        lm_head[lo:hi] = aux
+    out["lm_head.weight"] = lm_head
+    out["stream_embeddings.weight"] = head_emb[: layout.num_streams]
+    vocab = out["model.embed_tokens.weight"].shape[0]
+    if vocab != layout.vocab_size or lm_head.shape[0] != vocab:
+        raise _fail(f"model.pth: emb/lm_head have {vocab}/{lm_head.shape[0]} rows, token_list has {layout.vocab_size}")
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def infer_geometry(weights: dict[str, torch.Tensor], family: str, backbone: dict[str, Any] | None, n_ctx: int) -> BackboneGeometry:
+    """Shapes from the weights; heads / RoPE / eps from the backbone config (or the release)."""
+    known = dict(RELEASED_BACKBONES[family]) | {
+        k: backbone[k] for k in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps") if backbone and k in backbone
+    }
+    if backbone:
+        rope = backbone.get("rope_parameters") or {}
+        known["rope_theta"] = float(rope.get("rope_theta", backbone.get("rope_theta", known["rope_theta"])))
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    layers = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers."))
+    q_dim = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    kv_dim = weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
+    heads, kv_heads = known["num_attention_heads"], known["num_key_value_heads"]
+    if q_dim % heads or kv_dim // (q_dim // heads) != kv_heads:
+        raise _fail(f"q/k projections ({q_dim}, {kv_dim}) do not fit {heads} heads / {kv_heads} KV heads: pass --backbone-config")
+    return BackboneGeometry(
+        hidden_size=hidden,
+        intermediate_size=weights["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=q_dim // heads,
+        rope_theta=known["rope_theta"],
+        rms_norm_eps=known["rms_norm_eps"],
+        max_position_embeddings=n_ctx,
+    )
+
+
+def text_tokenizer_parts(path: str, tokens: list[str], layout: SpeechLMConfig) -> tuple[dict[str, int], list]:
+    """(vocab, merges) of the backbone's BPE tokenizer, checked against token_list's text ids."""
+    spec = json.loads(Tokenizer.from_file(path).to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise _fail(f"{path}: expected a BPE tokenizer, got {model.get('type')}")
+    vocab = model["vocab"]
+    lo, hi = layout.text_range
+    by_id = {i: t for t, i in vocab.items()}
+    bad = [i for i in range(hi - lo) if by_id.get(i) != tokens[lo + i]]
+    if len(vocab) != hi - lo or bad:
+        raise _fail(f"{path}: its vocabulary ({len(vocab)} tokens) does not match token_list's text range "
+                    f"[{lo}, {hi}) (first mismatch at text id {bad[0] if bad else len(vocab)})")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return vocab, merges
+
+
+def convert(
+    family: str,
+    checkpoint: str,
+    out_dir: str,
+    text_tokenizer: str,
+    codec: str,
+    config_yaml: str | None = None,
+    backbone_config_path: str | None = None,
+    min_audio_frames: int = 50,
+) -> SpeechLMConfig:
+    if family not in RELEASED_BACKBONES:
+        raise _fail(f"--family: expected one of {sorted(RELEASED_BACKBONES)}, got {family!r}")
+    raw = read_espnet_config(config_yaml or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "config.yaml"))
+    layout = layout_from_espnet(family, raw, min_audio_frames)
+    weights = convert_weights(load_espnet_state(checkpoint), layout)
+    backbone = None
+    if backbone_config_path:
+        with open(backbone_config_path) as f:
+            backbone = json.load(f)
+    n_ctx = (raw.get("transformer_conf") or {}).get("n_ctx", 8192)
+    geo = infer_geometry(weights, family, backbone, n_ctx)
+    vocab, merges = text_tokenizer_parts(text_tokenizer, raw["token_list"], layout)
+
+    os.makedirs(out_dir, exist_ok=True)
+    fam = FAMILIES[family]
+    config = backbone_config(layout, geo, fam.model_type, fam.arch)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    write_hf_tokenizer(build_tokenizer(layout, vocab, merges), layout, out_dir)
+    codec_out = os.path.join(out_dir, layout.codec.path)
+    os.makedirs(codec_out, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(os.path.join(codec, name), os.path.join(codec_out, name))
+    SpeechLMConfig.from_model_dir(out_dir)  # what the engine will read back
+    assert config[SPEECHLM_KEY] == layout.to_dict()
+    return layout
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="speechlm-convert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", required=True, choices=sorted(RELEASED_BACKBONES))
+    ap.add_argument("--espnet-checkpoint", required=True, help="the experiment's *.pth state dict")
+    ap.add_argument("--config", help="the experiment's config.yaml (default: next to the checkpoint)")
+    ap.add_argument("--text-tokenizer", required=True, help="the backbone's tokenizer.json")
+    ap.add_argument("--codec", required=True, help="a transformers DacModel directory (descript/dac_16khz)")
+    ap.add_argument("--backbone-config", help="the backbone's HF config.json (default: the released geometry)")
+    ap.add_argument("--min-audio-frames", type=int, default=50, help="eos is masked before this many frames")
+    ap.add_argument("--out", required=True, help="output directory")
+    a = ap.parse_args(argv)
+    layout = convert(
+        a.family, a.espnet_checkpoint, a.out, a.text_tokenizer, a.codec, a.config, a.backbone_config, a.min_audio_frames
+    )
+    print(f"wrote {a.family} checkpoint to {a.out} (vocab {layout.vocab_size}, {layout.num_streams} streams)")
+
+
+if __name__ == "__main__":
+    main()
