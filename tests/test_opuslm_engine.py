@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from conftest import worker_sum
 from vllm_omni_speechlm.decoding import RowKind
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -103,13 +104,4 @@ def test_concurrent_requests_equal_solo_runs(family):
         num_drained += drained(ref)
         num_capped += ref.finish_reason == "length"
     assert num_drained >= 1 and num_capped >= 1  # requests drain while others still decode
-    counts = gen.omni.engine.collective_rpc("apply_model", args=(live_requests,), stage_ids=[0])
-    assert sum(_flatten(counts)) == 0
-
-
-def _flatten(values):
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            yield from _flatten(v)
-        else:
-            yield v
+    assert worker_sum(gen.omni, live_requests) == 0

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from conftest import worker_sum
 from vllm_omni_speechlm.audio import read_wav
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -92,16 +93,7 @@ def test_concurrent_requests_equal_solo_runs(generator, reference):
 
 
 def _live(generator) -> int:
-    counts = generator.omni.engine.collective_rpc("apply_model", args=(live_requests,), stage_ids=[0])
-    return sum(_flatten(counts))
-
-
-def _flatten(values):
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            yield from _flatten(v)
-        else:
-            yield v
+    return worker_sum(generator.omni, live_requests)
 
 
 def test_state_is_freed_after_finish(generator):

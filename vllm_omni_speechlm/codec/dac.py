@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni_speechlm.codec.xcodec import _decoder_source_key, _fold_weight_norm
+from vllm_omni_speechlm.codec.xcodec import Snake1d, _decoder_source_key, _fold_weight_norm  # DAC's snake
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -77,16 +77,6 @@ class DacDecoderConfig:
             codebook_dim=d.get("codebook_dim", 8),
             sample_rate=d.get("sampling_rate", 16000),
         )
-
-
-class Snake1d(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # DAC's snake: x + sin^2(alpha x) / (alpha + 1e-9), in this operation order.
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
 class DacResidualUnit(nn.Module):
