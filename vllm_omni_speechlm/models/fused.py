@@ -21,14 +21,13 @@ table), so a finishing request's [L, S] rows are one gather: nothing is accumula
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from vllm.config import VllmConfig
 
-from vllm_omni_speechlm.codec.xcodec import XCodecDecoder
+from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.models.bagpiper import BagpiperForCausalLM
 from vllm_omni_speechlm.models.speechlm import _to_device
@@ -45,7 +44,7 @@ class FusedCodecDecoding:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         model_dir = vllm_config.model_config.model
         device = vllm_config.device_config.device
-        self.codec = XCodecDecoder.from_pretrained(os.path.join(model_dir, self.speech.codec.path), device=device)
+        self.codec = load_codec_decoder(self.speech.codec, model_dir, device=device)
         self._max_model_len = vllm_config.model_config.max_model_len
         self._stream0_history: torch.Tensor | None = None  # [slots, max_output_len] int32
         self._step_multimodal: dict | None = None
