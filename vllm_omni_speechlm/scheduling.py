@@ -51,6 +51,7 @@ class _PairedCFGMixin:
         self.partner: dict[str, str] = {}  # both directions: main <-> companion
         self._held_steps: dict[str, int] = {}  # main id -> consecutive steps held back
         self._orphans: set[str] = set()  # pair members whose partner finished first
+        logger.info("stage-0 scheduler: %s (paired CFG)", type(self).__name__)
         self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:  # companions have nothing to send downstream
