@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
 from vllm_omni_speechlm.config import SpeechLMConfig
 
@@ -42,7 +43,9 @@ def codec_reach(model_dir: str) -> tuple[int, int]:
     """(left, right) frames around a kept frame that the checkpoint's codec reads."""
     cfg = SpeechLMConfig.from_model_dir(model_dir)
     with open(os.path.join(model_dir, cfg.codec.path, "config.json"), encoding="utf-8") as f:
-        return XCodecDecoderConfig.from_dict(json.load(f)).receptive_field_frames
+        raw = json.load(f)
+    codec = DacDecoderConfig.from_dac_dict(raw) if cfg.codec.type == "dac" else XCodecDecoderConfig.from_dict(raw)
+    return codec.receptive_field_frames
 
 
 def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None = None) -> dict[str, int]:

@@ -112,10 +112,12 @@ class SpeechLMGenerator:
         requests = [self.engine_request(self.encode(p, system), self._params(text_only, modality, sampling)) for p in prompts]
         # One SamplingParams per stage for the whole call (Omni takes one per stage).
         stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
-        outputs = self.omni.generate([r[0] for r in requests], stage_params, use_tqdm=False)
+        by_request: dict[str, list[Any]] = {}  # two-stage: stage 0's text and stage 1's audio
+        for output in self.omni.generate([r[0] for r in requests], stage_params, use_tqdm=False):
+            by_request.setdefault(output.request_id, []).append(output)
         # Omni names request i "{i}_{uuid}" and returns them in completion order.
-        outputs = sorted(outputs, key=lambda o: int(o.request_id.split("_", 1)[0]))
-        return [self.result(o) for o in outputs]
+        ordered = sorted(by_request.items(), key=lambda item: int(item[0].split("_", 1)[0]))
+        return [self.result(*outputs) for _, outputs in ordered]
 
     def generate_stream(
         self,
@@ -167,15 +169,16 @@ class SpeechLMGenerator:
         kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
         return [SamplingParams(temperature=0.0, max_tokens=1, output_kind=kind)]
 
-    def result(self, output: Any) -> dict[str, Any]:
-        """One output -> the result dict of `generate`. Two-stage deployments return only the
-        codec stage's audio to the client (text, finish_reason and token ids are None/empty)."""
-        if self.plan.two_stage:
-            waveform = _waveform(output)
+    def result(self, *outputs: Any) -> dict[str, Any]:
+        """A request's outputs (one per final stage) -> the result dict of `generate`: text and
+        tokens from the speech LM stage, audio from the stage that decoded it (codec stage, fused
+        stage) or, with the LM stage alone, decoded here from its codes."""
+        waveform = next((w for w in map(_waveform, outputs) if w is not None), None)
+        lm = next((o for o in outputs if getattr(o, "stage_id", 0) == 0), None)
+        if lm is None:  # only the codec stage's audio reached the client
             return self._result_dict(None, waveform, None, [], [])
-        tokens = _stream_tokens(output)
-        completion = output.outputs[0]
-        waveform = _waveform(output)  # the fused stage decoded it already
+        tokens = _stream_tokens(lm)
+        completion = lm.outputs[0]
         codes = audio_codes(tokens, self.cfg) if waveform is None else None
         if codes is not None:
             with torch.inference_mode():

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni_speechlm.codec.xcodec import Snake1d, _decoder_source_key, _fold_weight_norm  # DAC's snake
+from vllm_omni_speechlm.codec.xcodec import Snake1d, _decoder_source_key, _fold_weight_norm, receptive_field_frames
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -52,6 +52,11 @@ class DacDecoderConfig:
     @property
     def hop_length(self) -> int:
         return math.prod(self.upsampling_ratios)
+
+    @property
+    def receptive_field_frames(self) -> tuple[int, int]:
+        """(left, right) input frames an output frame depends on (streaming windows' margins)."""
+        return receptive_field_frames(self.upsampling_ratios)
 
     def num_samples(self, num_frames: int) -> int:
         """Output length of `num_frames` frames (odd ratios drop a sample per input step)."""

@@ -187,11 +187,7 @@ class XCodecDecoderConfig:
         do not widen it). `left` is the left context and `right` the lookahead a streaming window
         needs around the frames it keeps to match whole-clip decoding.
         """
-        lo, hi = _frame_support(self.upsampling_ratios)
-        # Frame t changes samples [t*hop + lo, t*hop + hi]; output frame f (samples
-        # [f*hop, f*hop + hop - 1]) sees frame t = f - d iff d*hop <= hi and d*hop + hop - 1 >= lo.
-        hop = self.hop_length
-        return hi // hop, (hop - 1 - lo) // hop
+        return receptive_field_frames(self.upsampling_ratios)
 
     # --- serialisation -------------------------------------------------------------------------
 
@@ -331,6 +327,16 @@ class XCodecResidualVQ(nn.Module):
         for q in range(1, codes.shape[1]):
             quantized = quantized + self.quantizers[q](codes[:, q])
         return quantized
+
+
+def receptive_field_frames(upsampling_ratios: tuple[int, ...]) -> tuple[int, int]:
+    """(left, right) input frames an output frame depends on, for the DAC-style acoustic decoder
+    (X-Codec's and DAC's) with these upsampling ratios."""
+    lo, hi = _frame_support(upsampling_ratios)
+    # Frame t changes samples [t*hop + lo, t*hop + hi]; output frame f (samples
+    # [f*hop, f*hop + hop - 1]) sees frame t = f - d iff d*hop <= hi and d*hop + hop - 1 >= lo.
+    hop = math.prod(upsampling_ratios)
+    return hi // hop, (hop - 1 - lo) // hop
 
 
 # ------------------------------------------------------------------------------------------------
