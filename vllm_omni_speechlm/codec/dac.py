@@ -33,7 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni_speechlm.codec.xcodec import Snake1d, _decoder_source_key, _fold_weight_norm, receptive_field_frames
+from vllm_omni_speechlm.codec.xcodec import (  # X-Codec's acoustic decoder is DAC's
+    Snake1d,
+    XCodecDecoderBlock,
+    _decoder_source_key,
+    _fold_weight_norm,
+    receptive_field_frames,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -84,41 +90,13 @@ class DacDecoderConfig:
         )
 
 
-class DacResidualUnit(nn.Module):
-    def __init__(self, channels: int, dilation: int) -> None:
-        super().__init__()
-        self.snake1 = Snake1d(channels)
-        self.conv1 = nn.Conv1d(channels, channels, kernel_size=7, dilation=dilation, padding=3 * dilation)
-        self.snake2 = Snake1d(channels)
-        self.conv2 = nn.Conv1d(channels, channels, kernel_size=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.snake2(self.conv1(self.snake1(x))))
-
-
-class DacDecoderBlock(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
-        super().__init__()
-        self.snake1 = Snake1d(in_channels)
-        self.conv_t1 = nn.ConvTranspose1d(
-            in_channels, out_channels, kernel_size=2 * stride, stride=stride, padding=math.ceil(stride / 2)
-        )
-        self.res_unit1 = DacResidualUnit(out_channels, 1)
-        self.res_unit2 = DacResidualUnit(out_channels, 3)
-        self.res_unit3 = DacResidualUnit(out_channels, 9)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv_t1(self.snake1(x))
-        return self.res_unit3(self.res_unit2(self.res_unit1(x)))
-
-
 class DacWaveDecoder(nn.Module):
     def __init__(self, c: DacDecoderConfig) -> None:
         super().__init__()
         self.conv1 = nn.Conv1d(c.hidden_size, c.decoder_hidden_size, kernel_size=7, padding=3)
         chans = [c.decoder_hidden_size // 2**i for i in range(len(c.upsampling_ratios) + 1)]
         self.block = nn.ModuleList(
-            DacDecoderBlock(chans[i], chans[i + 1], r) for i, r in enumerate(c.upsampling_ratios)
+            XCodecDecoderBlock(chans[i], chans[i + 1], r, exact_length=False) for i, r in enumerate(c.upsampling_ratios)
         )
         self.snake1 = Snake1d(chans[-1])
         self.conv2 = nn.Conv1d(chans[-1], 1, kernel_size=7, padding=3)

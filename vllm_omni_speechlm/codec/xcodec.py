@@ -358,7 +358,7 @@ class Snake1d(nn.Module):
 
 
 class XCodecResidualUnit(nn.Module):
-    """Snake -> dilated conv k7 -> Snake -> conv k1, plus the skip. Length-preserving."""
+    """Snake -> dilated conv k7 -> Snake -> conv k1, plus the skip. Length-preserving (DAC's too)."""
 
     def __init__(self, channels: int, dilation: int) -> None:
         super().__init__()
@@ -374,20 +374,21 @@ class XCodecResidualUnit(nn.Module):
 
 
 class XCodecDecoderBlock(nn.Module):
-    """Snake -> ConvTranspose1d upsampling by `stride` (channels halve) -> 3 residual units."""
+    """Snake -> ConvTranspose1d upsampling by `stride` (channels halve) -> 3 residual units.
+    DAC's decoder block too (`exact_length=False`)."""
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, stride: int, exact_length: bool = True) -> None:
         super().__init__()
         self.snake1 = Snake1d(in_channels)
-        # X-Codec sets output_padding = stride % 2 (DAC uses 0) so the output is exactly
-        # N * stride samples for odd strides too (the 5 in 8, 5, 4, 2).
+        # X-Codec sets output_padding = stride % 2 so the output is exactly N * stride samples for
+        # odd strides too (the 5 in 8, 5, 4, 2); DAC (exact_length=False) uses 0.
         self.conv_t1 = nn.ConvTranspose1d(
             in_channels,
             out_channels,
             kernel_size=2 * stride,
             stride=stride,
             padding=math.ceil(stride / 2),
-            output_padding=stride % 2,
+            output_padding=stride % 2 if exact_length else 0,
         )
         self.res_unit1 = XCodecResidualUnit(out_channels, dilation=_RES_UNIT_DILATIONS[0])
         self.res_unit2 = XCodecResidualUnit(out_channels, dilation=_RES_UNIT_DILATIONS[1])
@@ -408,7 +409,7 @@ class XCodecAcousticDecoder(nn.Module):
         outer_pad = (_OUTER_CONV_KERNEL - 1) // 2
         self.conv1 = nn.Conv1d(config.acoustic_hidden_size, channels, kernel_size=_OUTER_CONV_KERNEL,
                                padding=outer_pad)
-        # Channel widths use floor division, as DacDecoderBlock does.
+        # Channel widths use floor division, as DAC's decoder does.
         self.block = nn.ModuleList(
             XCodecDecoderBlock(channels // 2**i, channels // 2 ** (i + 1), stride)
             for i, stride in enumerate(config.upsampling_ratios)
