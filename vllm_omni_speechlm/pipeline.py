@@ -39,13 +39,18 @@ def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
     return StagePipelineConfig(**(fields | overrides))
 
 
-BAGPIPER_AR_PIPELINE = PipelineConfig(
-    model_type="bagpiper",
-    model_arch=BAGPIPER_ARCH,
-    stages=(speech_lm_stage(BAGPIPER_ARCH),),
-    hf_architectures=(BAGPIPER_ARCH,),
-    hf_config_predicate=_is_speechlm,
-)
+def lm_only_pipeline(model_type: str, arch: str) -> PipelineConfig:
+    """Stage 0 alone; selected from the checkpoint (architecture + `speechlm` section)."""
+    return PipelineConfig(
+        model_type=model_type,
+        model_arch=arch,
+        stages=(speech_lm_stage(arch),),
+        hf_architectures=(arch,),
+        hf_config_predicate=_is_speechlm,
+    )
+
+
+BAGPIPER_AR_PIPELINE = lm_only_pipeline("bagpiper", BAGPIPER_ARCH)
 
 # ---- two stages: speech LM -> X-Codec decoder (streamed windows, or whole clips in batch mode) ---
 CODEC_DECODER_ARCH = "BagpiperCodecDecoder"
@@ -71,18 +76,24 @@ def codec_decoder_stage(**overrides) -> StagePipelineConfig:
     return StagePipelineConfig(**(fields | overrides))
 
 
-BAGPIPER_TWO_STAGE_PIPELINE = PipelineConfig(
-    model_type="bagpiper_two_stage",  # by name only (deploy YAML `pipeline:`); async_chunk picks the mode
-    model_arch=BAGPIPER_ARCH,
-    stages=(
-        # Both stages are final outputs: stage 0 gives the text (chat completions), stage 1 the
-        # audio. vllm-omni's orchestrator forwards every final stage's outputs to the client; a
-        # request's output modalities decide which stages it waits for (["audio"]: done with the
-        # audio). The speech route ignores stage 0's outputs (one small message per step).
-        speech_lm_stage(BAGPIPER_ARCH, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR),
-        codec_decoder_stage(sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
-    ),
-)
+def two_stage_pipeline(model_type: str, arch: str, codec_arch: str, **lm_overrides) -> PipelineConfig:
+    """Speech LM -> codec decoder, selected by name (deploy YAML `pipeline:`); the deployment's
+    async_chunk picks streamed windows or whole clips. `lm_overrides`: stage-0 fields."""
+    return PipelineConfig(
+        model_type=model_type,
+        model_arch=arch,
+        stages=(
+            speech_lm_stage(arch, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR, **lm_overrides),
+            codec_decoder_stage(model_arch=codec_arch, sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
+        ),
+    )
+
+
+# Both stages are final outputs: stage 0 gives the text (chat completions), stage 1 the audio.
+# vllm-omni's orchestrator forwards every final stage's outputs to the client; a request's output
+# modalities decide which stages it waits for (["audio"]: done with the audio). The speech route
+# ignores stage 0's outputs (one small message per step).
+BAGPIPER_TWO_STAGE_PIPELINE = two_stage_pipeline("bagpiper_two_stage", BAGPIPER_ARCH, CODEC_DECODER_ARCH)
 
 # ---- one stage, fused: the speech LM stage decodes each finished clip itself -------------------
 BAGPIPER_FUSED_ARCH = "BagpiperFusedForCausalLM"
@@ -98,23 +109,10 @@ BAGPIPER_FUSED_PIPELINE = PipelineConfig(
 OPUSLM_ARCH = "OpusLMForCausalLM"
 SPEECHLM_CODEC_DECODER_ARCH = "SpeechLMCodecDecoder"
 
-OPUSLM_AR_PIPELINE = PipelineConfig(
-    model_type="opuslm",
-    model_arch=OPUSLM_ARCH,
-    stages=(speech_lm_stage(OPUSLM_ARCH),),
-    hf_architectures=(OPUSLM_ARCH,),
-    hf_config_predicate=_is_speechlm,
-)
-
-OPUSLM_TWO_STAGE_PIPELINE = PipelineConfig(
-    model_type="opuslm_two_stage",  # by name only (deploy YAML `pipeline:`)
-    model_arch=OPUSLM_ARCH,
-    stages=(
-        speech_lm_stage(
-            OPUSLM_ARCH, final_output=False, async_chunk_process_next_stage_input_func=SPEECH_CODEC_PROCESSOR
-        ),
-        codec_decoder_stage(model_arch=SPEECHLM_CODEC_DECODER_ARCH, sync_process_input_func=SPEECH_CODEC_BATCH_PROCESSOR),
-    ),
+OPUSLM_AR_PIPELINE = lm_only_pipeline("opuslm", OPUSLM_ARCH)
+# Only stage 1's audio reaches the client (no chat route for this family yet).
+OPUSLM_TWO_STAGE_PIPELINE = two_stage_pipeline(
+    "opuslm_two_stage", OPUSLM_ARCH, SPEECHLM_CODEC_DECODER_ARCH, final_output=False
 )
 
 PIPELINES = (
