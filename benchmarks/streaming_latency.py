@@ -187,16 +187,30 @@ def summarize(results: list[dict], wall: float, expected_audio_s: float) -> dict
     }
 
 
-async def run_level(engine, mode: str, args, n: int) -> dict:
+async def run_round(engine, mode: str, args, n: int, seed: int) -> list[dict]:
+    """n concurrent requests, submitted together."""
     ids = [f"lat-{n}-{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
-    tasks = [asyncio.create_task(one_request(engine, mode, args, 1000 * n + i, rid)) for i, rid in enumerate(ids)]
-    start = time.perf_counter()
+    tasks = [asyncio.create_task(one_request(engine, mode, args, seed + i, rid)) for i, rid in enumerate(ids)]
     try:
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.level_timeout)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.level_timeout)
     except asyncio.TimeoutError:
         await engine.abort(ids)  # free the engine before the next mode (wait_for cancelled the tasks)
         raise
-    return summarize(results, time.perf_counter() - start, (args.gen_len - DELAY_STEPS) / 50)
+
+
+async def run_level(engine, mode: str, args, n: int) -> dict:
+    """`--rounds` rounds of n concurrent requests; percentiles over all of them (one request per
+    round at concurrency 1 alone would make p50 a single sample)."""
+    results, per_round, wall = [], [], 0.0
+    for r in range(args.rounds):
+        start = time.perf_counter()
+        batch = await run_round(engine, mode, args, n, 1000 * n + 100 * r)
+        wall += time.perf_counter() - start
+        results += batch
+        per_round.append(_pct([b["ttfa_s"] for b in batch], 0.5))
+    stats = summarize(results, wall, (args.gen_len - DELAY_STEPS) / 50)
+    stats["ttfa_p50_per_round_s"] = per_round
+    return stats
 
 
 # ---- modes --------------------------------------------------------------------------------------
@@ -206,7 +220,8 @@ async def bench_mode(mode: str, model_dir: str, args, report: dict, save) -> Non
     from vllm_omni import AsyncOmni
 
     deploy = write_deploy(mode, args, f"{args.out}.{mode}.yaml")
-    entry = report["modes"].setdefault(mode, {"deploy_config": deploy, "levels": {}})
+    with open(deploy) as f:
+        entry = report["modes"].setdefault(mode, {"deploy_config": yaml.safe_load(f), "levels": {}})
     start = time.perf_counter()
     engine = AsyncOmni(model=model_dir, deploy_config=deploy, stage_init_timeout=args.start_timeout)
     try:
@@ -245,7 +260,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=None, help="steps per request (default 258 = 5 s of audio; --tiny 68)")
     ap.add_argument("--start-timeout", type=int, default=600, help="seconds for one mode's engine start")
-    ap.add_argument("--level-timeout", type=float, default=600.0, help="seconds for one concurrency level")
+    ap.add_argument("--level-timeout", type=float, default=600.0, help="seconds for one round of a concurrency level")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level (percentiles over all)")
     ap.add_argument("--tiny", action="store_true", help="tiny backbone and codec on CPU (a smoke run of the script)")
     args = ap.parse_args()
     args.concurrency = args.concurrency or ([1, 4] if args.tiny else [1, 4, 16, 64])

@@ -19,7 +19,8 @@ Stage 1 decodes the window and keeps frames [emitted, target): exactly the new o
 whole-clip decoding up to float rounding. The cost is 10 frames (200 ms) of extra latency per
 window. At finish the rest is flushed with no holdback (the clip ends there, as in whole-clip
 decoding). The first window may be smaller (`initial_codec_chunk_frames`: connector `extra`, or
-per request in the prompt's `additional_information`) for faster first audio.
+per request in the prompt's `additional_information`) for faster first audio; the windows after
+it ramp up to the full size (`next_window_end`).
 
 State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (buffered rows, [S] long
 tensors) and `transfer_manager.request_payload[external_req_id]` (counters). The adapter pops
@@ -30,9 +31,12 @@ nothing here outlives a request.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm_omni.data_entry_keys import unflatten_payload
 
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows
@@ -87,14 +91,40 @@ def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
     return {"emitted": 0, "base": 0, "first_chunk": first or settings["codec_chunk_frames"]}
 
 
-def _append_audio_row(rows: list[torch.Tensor], multimodal_output: Any, cfg: SpeechLMConfig) -> None:
-    """Buffer this step's [1, S] row if it is an audio row (host tensors: no device sync)."""
+def _complete_frames(num_audio_rows: int, cfg: SpeechLMConfig) -> int:
+    """Frame t is complete once audio row t + S - 1 exists."""
+    return max(0, num_audio_rows - (cfg.num_streams - 1))
+
+
+def next_window_end(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool) -> int | None:
+    """With `total` complete frames and `emitted` already sent: the end of the window to send
+    now (its new frames are [emitted, end)), or None (not enough new frames yet).
+
+    After a small first window the windows ramp up: each brings as many new frames as all
+    earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
+    client's buffered audio then doubles per window, so a fast first window does not leave a gap
+    before the second one while generation runs faster than real time."""
+    end = total - (0 if is_finished else settings["codec_right_holdback_frames"])
+    chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], max(first_chunk, emitted))
+    if end - emitted <= 0 or (not is_finished and end - emitted < chunk):
+        return None
+    return end
+
+
+def _step_rows(multimodal_output: Any, cfg: SpeechLMConfig) -> torch.Tensor | None:
+    """A payload's [k, S] stream rows (host tensor), or None when it carries none."""
     codes = (multimodal_output or {}).get("codes", {}) if isinstance(multimodal_output, dict) else {}
     step = codes.get("audio") if isinstance(codes, dict) else None
     if not isinstance(step, torch.Tensor) or step.numel() == 0:
-        return
-    step = step.reshape(-1, cfg.num_streams).to(torch.long)
-    rows.extend(step[audio_rows(step, cfg)].unbind(0))  # one row per step in practice
+        return None
+    return step.reshape(-1, cfg.num_streams).to(torch.long)
+
+
+def _append_audio_rows(rows: list[torch.Tensor], multimodal_output: Any, cfg: SpeechLMConfig) -> None:
+    """Buffer the payload's audio rows (host tensors: no device sync)."""
+    step = _step_rows(multimodal_output, cfg)
+    if step is not None:
+        rows.extend(step[audio_rows(step, cfg)].unbind(0))
 
 
 def speechlm2codec_async_chunk(
@@ -113,16 +143,15 @@ def speechlm2codec_async_chunk(
     state = transfer_manager.request_payload.get(ext_id)
     if state is None:
         state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
-    _append_audio_row(rows, multimodal_output, cfg)
+    _append_audio_rows(rows, multimodal_output, cfg)
 
-    total = max(0, state["base"] + len(rows) - (cfg.num_streams - 1))  # complete frames
-    holdback = 0 if is_finished else settings["codec_right_holdback_frames"]
-    target = total - holdback
     emitted = state["emitted"]
-    chunk = state["first_chunk"] if emitted == 0 else settings["codec_chunk_frames"]
-    if target - emitted <= 0 or (not is_finished and target - emitted < chunk):
+    total = _complete_frames(state["base"] + len(rows), cfg)
+    target = next_window_end(total, emitted, state["first_chunk"], settings, is_finished)
+    if target is None:
         return None  # on the final call the adapter sends the terminal marker itself
 
+    holdback = 0 if is_finished else settings["codec_right_holdback_frames"]
     left = min(settings["codec_left_context_frames"], emitted)
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
     # The window's rows are all audio rows, >= S of them: [left + new + holdback, Q].
@@ -141,6 +170,86 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
     if drop > 0:
         del rows[:drop]
         state["base"] += drop
+
+
+
+# ---- scheduler side: hand the adapter only the steps that send something -----------------------
+
+
+@dataclass
+class _GateState:
+    first_chunk: int
+    emitted: int = 0  # frames sent as new audio (mirrors the processor's count)
+    audio: int = 0  # audio rows among those handed over or classified
+    pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
+    unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
+
+
+class WindowGate:
+    """Sits in front of the chunk adapter's `save_async` (stage-0 scheduler, every step of every
+    request). The adapter copies the request and wakes its save thread on every call, ~0.1 ms per
+    request per step, though a window is due only every 25 frames. The gate keeps each request's
+    step rows and hands them over as one [k, S] payload on the steps where the processor sends a
+    window (the same rule, `next_window_end`), and at finish; the processor receives the same rows
+    in the same order, so the windows are unchanged."""
+
+    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int]) -> None:
+        self.cfg, self.settings = cfg, settings
+        self._open: dict[str, _GateState] = {}
+
+    @classmethod
+    def for_adapter(cls, adapter: Any) -> "WindowGate":
+        return cls(_layout(_model_dir(adapter)), chunk_settings(adapter))
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
+        """(hand over now, the payload to hand over) for this step of `request`."""
+        ext_id = request.external_req_id
+        state = self._open.get(ext_id)
+        if state is None:
+            state = self._open[ext_id] = _GateState(self._first_chunk(request))
+        if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
+            multimodal_output = unflatten_payload(multimodal_output)
+        rows = _step_rows(multimodal_output, self.cfg)
+        if rows is not None:
+            state.pending.append(rows)
+            state.unclassified += rows.shape[0]
+        if is_finished:
+            del self._open[ext_id]
+            return True, self._take(state)
+        if not self._due(state, state.audio + state.unclassified):  # even if every new row is audio
+            return False, None
+        if state.unclassified:
+            new = torch.cat(state.pending)[-state.unclassified :]
+            state.audio += int(audio_rows(new, self.cfg).sum())
+            state.unclassified = 0
+        end = self._due(state, state.audio)
+        if end is None:
+            return False, None
+        state.emitted = end
+        return True, self._take(state)
+
+    def _first_chunk(self, request: Any) -> int:
+        try:
+            return _new_state(request, self.settings)["first_chunk"]
+        except ValueError:  # hand every step over: the processor reports the bad value
+            return 1
+
+    def _due(self, state: _GateState, num_audio_rows: int) -> int | None:
+        total = _complete_frames(num_audio_rows, self.cfg)
+        return next_window_end(total, state.emitted, state.first_chunk, self.settings, False)
+
+    @staticmethod
+    def _take(state: _GateState) -> dict | None:
+        rows, state.pending, state.unclassified = state.pending, [], 0
+        return {"codes": {"audio": torch.cat(rows)}} if rows else None
+
+    def forget(self, ext_ids) -> None:
+        """Drop requests that ended without a finishing call (abort, error)."""
+        for ext_id in ext_ids:
+            self._open.pop(ext_id, None)
 
 
 # ---- batch mode (deploy async_chunk: false): the whole clip in one stage-1 prompt --------------

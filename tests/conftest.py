@@ -1,7 +1,9 @@
 """Shared fixtures: tiny checkpoints are made once per test session, never downloaded."""
 
 import os
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -194,3 +196,42 @@ def worker_sum(omni, fn) -> int:
                 yield v
 
     return sum(flatten(omni.engine.collective_rpc("apply_model", args=(fn,), stage_ids=[0])))
+
+
+# --- the stage-0 -> stage-1 processor outside an engine -------------------------------------------
+
+
+class TransferManager:
+    """The adapter attributes the processor may touch; __slots__ makes any other state an error."""
+
+    __slots__ = ("config", "connector", "code_prompt_token_ids", "request_payload")
+
+    def __init__(self, model_dir: str, **extra: int) -> None:
+        from stage_input_processors import speech_codec
+
+        self.config = SimpleNamespace(model=model_dir)
+        self.connector = SimpleNamespace(config={"extra": {**speech_codec.DEFAULTS, **extra}})
+        self.code_prompt_token_ids = defaultdict(list)
+        self.request_payload = {}
+
+
+def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None):
+    """Run the processor over [L, S] step rows the way the adapter does, each step offered to the
+    scheduler's `WindowGate` first when `gated`. Returns (payloads sent, processor calls)."""
+    from stage_input_processors import speech_codec
+
+    info = None if first is None else {speech_codec.INITIAL_CHUNK_KEY: first}
+    request = SimpleNamespace(external_req_id=req_id, additional_information=info)
+    gate = speech_codec.WindowGate.for_adapter(tm) if gated else None
+    sent, calls = [], 0
+    for i, row in enumerate(tokens):
+        finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
+        if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
+            hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
+            if not hand_over:
+                continue
+        calls += 1
+        payload = speech_codec.speechlm2codec_async_chunk(tm, output, request, is_finished=finished)
+        sent += [payload] if payload is not None else []
+    assert gate is None or len(gate) == 0  # the finishing step closed the request
+    return sent, calls

@@ -14,16 +14,13 @@ from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
 
 MAX_TOKENS = 8
 
-# connector_get_sleep_s: the consumer polls that often, so each payload segment stays in
-# /dev/shm for up to that long and the watcher below can see it without racing.
 ECHO_DEPLOY = """\
 pipeline: speechlm_selftest_echo
 async_chunk: true
 connectors:
   shm:
     name: SharedMemoryConnector
-    extra:
-      connector_get_sleep_s: 0.1
+    extra: {}
 stages:
   - stage_id: 0
     max_num_seqs: 4

@@ -75,6 +75,24 @@ def test_masks_and_temperature_compensation():
     torch.testing.assert_close(out[1, s0.vocab_start : s0.vocab_end], raw[1, s0.vocab_start : s0.vocab_end])
 
 
+@pytest.mark.parametrize("family", ["bagpiper", "opuslm"])
+def test_no_text_rows_path_equals_the_full_vocabulary_path(family):
+    """Audio-only batches are processed on the non-text columns: bit-identical logits."""
+    from vllm_omni_speechlm.config import opuslm_layout
+
+    cfg = CFG if family == "bagpiper" else opuslm_layout("opuslm", text_vocab_size=300)
+    rules = DecodingRules(cfg)
+    kinds = [k for k in RowKind if k not in (K.TEXT, K.TEXT_NO_EOS)]
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(3 * len(kinds), cfg.vocab_size, generator=g).to(torch.bfloat16)
+    kind = torch.tensor(kinds * 3)
+    params = [SpeechSamplingParams(audio_top_k=k, audio_temperature=t) for k, t in [(0, 0.8), (20, 1.1), (1, 0.0)]]
+    rows = RowSampling.from_params([q.resolve(cfg) for q in params for _ in kinds], "cpu")
+    full = rules.process_primary_logits(raw, kind, rows)
+    assert torch.equal(rules.process_primary_logits(raw, kind, rows, no_text_rows=True), full)
+    assert torch.isfinite(full).sum(dim=1).min() >= 1
+
+
 def test_greedy_modality_becomes_top1():
     raw = torch.randn(1, CFG.vocab_size)
     rows = _rows(SpeechSamplingParams(text_temperature=0.0, audio_temperature=0.9))

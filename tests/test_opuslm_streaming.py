@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stage_configs
-from conftest import new_shm, shm_names
+from conftest import TransferManager, feed_processor, new_shm, shm_names
 from stage_input_processors import speech_codec
 from vllm_omni_speechlm.decoding import RowKind
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -83,16 +83,6 @@ def test_streams_equal_whole_clip_decoding(family):
 # ---- the processor alone (no engine) -----------------------------------------------------------
 
 
-class _TransferManager:
-    __slots__ = ("config", "connector", "code_prompt_token_ids", "request_payload")
-
-    def __init__(self, model_dir: str) -> None:
-        self.config = SimpleNamespace(model=model_dir)
-        self.connector = SimpleNamespace(config={"extra": dict(speech_codec.DEFAULTS)})
-        self.code_prompt_token_ids = defaultdict(list)
-        self.request_payload = {}
-
-
 @pytest.mark.parametrize("fixture", list(FAMILIES.values()))
 def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixture):
     """The streaming processor + codec stage outside an engine, on a clip that drains."""
@@ -106,11 +96,10 @@ def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixtu
     ids = encode_prompt(ref_model.tokenizer, ref_model.cfg, prompt, system=SYSTEM)
     ref = ref_model.generate(ids, SpeechSamplingParams(**KW))
     assert bool((ref.kinds == RowKind.FORCE_EOS).any())
-    tm, req = _TransferManager(model_dir), SimpleNamespace(external_req_id="r0", additional_information=None)
-    payloads = []
-    for i, row in enumerate(ref.tokens):
-        p = speech_codec.speechlm2codec_async_chunk(tm, {"codes": {"audio": row[None]}}, req, is_finished=i == len(ref.tokens) - 1)
-        payloads += [p] if p is not None else []
+    payloads, _ = feed_processor(TransferManager(model_dir), ref.tokens)
+    gated, calls = feed_processor(TransferManager(model_dir), ref.tokens, gated=True)  # the scheduler's gate
+    assert calls == len(gated) == len(payloads)
+    assert all(torch.equal(a.codes.audio, b.codes.audio) for a, b in zip(payloads, gated))
     stage = SpeechLMCodecDecoder.from_model_dir(model_dir)
     infos = [{"meta": {"left_context_size": p.meta.left_context_size, "right_holdback_size": p.meta.right_holdback_size}}
              for p in payloads]

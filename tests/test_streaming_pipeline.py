@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stage_configs
-from conftest import new_shm, shm_names
+from conftest import TransferManager, feed_processor, new_shm, shm_names
 from stage_input_processors import speech_codec
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -89,15 +89,16 @@ def _assert_matches_reference(gen, reference, chunks, ids, kw) -> None:
 
 
 def test_stream_equals_whole_clip_decoding(gen, reference):
-    """Chunks: a 10-frame first window (deploy default), then 25-frame windows, then the flush;
-    together exactly T x 320 samples, equal to decoding the reference's codes in one go (which
-    also proves the codes equal the reference's: one wrong code changes ~20 frames by O(0.1))."""
+    """Chunks: a 2-frame first window (deploy default), windows ramping up to 25 frames (each as
+    long as all earlier ones together), then the flush; together exactly T x 320 samples, equal
+    to decoding the reference's codes in one go (which also proves the codes equal the
+    reference's: one wrong code changes ~20 frames by O(0.1))."""
     kw = dict(modality="audio", seed=2, max_tokens=120)
     prompt, sampling, ids = _request(gen, PROMPTS[1], **kw)
     [chunks] = _stream(gen, [(prompt, sampling, ids)]).values()
     sizes = [c.numel() // HOP for c in chunks]
-    assert sizes[:4] == [10, 25, 25, 25] and len(sizes) >= 5, sizes
-    assert all(0 < s <= 25 + 10 for s in sizes[4:]), sizes  # the flush: the rest, no holdback
+    assert sizes[:7] == [2, 2, 4, 8, 16, 25, 25] and len(sizes) >= 8, sizes
+    assert all(0 < s <= 25 + 10 for s in sizes[7:]), sizes  # the flush: the rest, no holdback
     _assert_matches_reference(gen, reference, chunks, ids, kw)
 
 
@@ -105,7 +106,7 @@ def test_per_request_first_window(gen, reference):
     kw = dict(modality="text+audio", max_text_tokens=3, seed=3, max_tokens=60)
     prompt, sampling, ids = _request(gen, PROMPTS[2], {speech_codec.INITIAL_CHUNK_KEY: 3}, **kw)
     [chunks] = _stream(gen, [(prompt, sampling, ids)]).values()
-    assert chunks[0].numel() == 3 * HOP
+    assert [c.numel() // HOP for c in chunks[:4]] == [3, 3, 6, 12]
     _assert_matches_reference(gen, reference, chunks, ids, kw)
 
 
@@ -164,7 +165,7 @@ def test_generator_stream_equals_non_streamed_audio(gen, reference):
     reference's whole-clip decoding."""
     kw = dict(modality="audio", seed=6, max_tokens=90)
     chunks = list(gen.generate_stream(PROMPTS[1], system=SYSTEM, **kw))
-    assert [c.numel() // HOP for c in chunks[:2]] == [10, 25] and len(chunks) >= 3
+    assert [c.numel() // HOP for c in chunks[:4]] == [2, 2, 4, 8] and len(chunks) >= 5
     [whole] = gen.generate(PROMPTS[1], system=SYSTEM, **kw)
     streamed = torch.cat(chunks)
     assert whole["waveform"] is not None and streamed.shape == whole["waveform"].shape
@@ -178,7 +179,7 @@ def test_generator_stream_closed_early_aborts(gen, reference):
     stream is exact."""
     before = shm_names()
     stream = gen.generate_stream(PROMPTS[0], system=SYSTEM, modality="audio", seed=1, max_tokens=400)
-    assert next(stream).numel() == 10 * HOP
+    assert next(stream).numel() == 2 * HOP
     stream.close()
     assert not gen.omni.request_states
     deadline = time.monotonic() + 10
@@ -192,31 +193,6 @@ def test_generator_stream_closed_early_aborts(gen, reference):
 
 
 # ---- the processor alone (no engine) -----------------------------------------------------------
-
-
-class _TransferManager:
-    """The adapter attributes the processor may touch; __slots__ makes any other state an error."""
-
-    __slots__ = ("config", "connector", "code_prompt_token_ids", "request_payload")
-
-    def __init__(self, model_dir: str, **extra: int) -> None:
-        self.config = SimpleNamespace(model=model_dir)
-        self.connector = SimpleNamespace(config={"extra": {**speech_codec.DEFAULTS, **extra}})
-        self.code_prompt_token_ids = defaultdict(list)
-        self.request_payload = {}
-
-
-def _feed(tm, tokens: torch.Tensor, req_id: str = "r0") -> list:
-    """Run the processor over [L, S] step rows the way the adapter does; the payloads sent."""
-    request = SimpleNamespace(external_req_id=req_id, additional_information=None)
-    sent = []
-    for i, row in enumerate(tokens):
-        payload = speech_codec.speechlm2codec_async_chunk(
-            tm, {"codes": {"audio": row[None]}}, request, is_finished=i == len(tokens) - 1
-        )
-        if payload is not None:
-            sent.append(payload)
-    return sent
 
 
 def _decode(tiny_bagpiper, payloads) -> torch.Tensor:
@@ -245,8 +221,8 @@ def test_processor_state_is_only_in_adapter_dicts(tiny_bagpiper, long_clip):
         OmniChunkTransferAdapter,
     )
 
-    tm = _TransferManager(tiny_bagpiper)
-    _feed(tm, long_clip.tokens[: len(long_clip.tokens) // 2])  # mid-stream
+    tm = TransferManager(tiny_bagpiper)
+    feed_processor(tm, long_clip.tokens[: len(long_clip.tokens) // 2])  # mid-stream
     assert tm.request_payload and tm.code_prompt_token_ids
     # Rows no window can reach again are freed as the stream goes.
     assert len(tm.code_prompt_token_ids["r0"]) <= 25 + 35 + 7
@@ -263,7 +239,7 @@ def test_processor_state_is_only_in_adapter_dicts(tiny_bagpiper, long_clip):
 def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
     """Holdback 10 (deployed): exact to float rounding. Holdback 0: the tail of every window
     misses its lookahead; the error is documented here (measured ~0.3-1 with the tiny codec)."""
-    payloads = _feed(_TransferManager(tiny_bagpiper, codec_right_holdback_frames=holdback), long_clip.tokens)
+    payloads, _ = feed_processor(TransferManager(tiny_bagpiper, codec_right_holdback_frames=holdback), long_clip.tokens)
     streamed = _decode(tiny_bagpiper, payloads)
     assert streamed.shape == long_clip.audio.shape
     err = float((streamed - long_clip.audio).abs().max())
@@ -272,3 +248,23 @@ def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
         assert err < ATOL
     else:
         assert err > 100 * ATOL
+
+
+@pytest.mark.parametrize("modality", ["audio", "text+audio"])
+@pytest.mark.parametrize("first, holdback", [(None, 10), (3, 10), (None, 0)])
+def test_window_gate_hands_over_only_window_steps(tiny_bagpiper, reference, modality, first, holdback):
+    """The scheduler's gate in front of the processor: the same windows (codes and meta), with
+    the processor called once per window instead of once per step."""
+    from vllm_omni_speechlm.tokenizer import encode_prompt
+
+    ids = encode_prompt(reference.tokenizer, reference.cfg, PROMPTS[3], system=SYSTEM)
+    clip = reference.generate(ids, SpeechSamplingParams(modality=modality, max_text_tokens=8, seed=7, max_tokens=160))
+    extra = {"codec_right_holdback_frames": holdback}
+    plain, steps = feed_processor(TransferManager(tiny_bagpiper, **extra), clip.tokens, first=first)
+    gated, calls = feed_processor(TransferManager(tiny_bagpiper, **extra), clip.tokens, first=first, gated=True)
+    assert steps == len(clip.tokens) and len(plain) >= 4
+    assert calls == len(gated)
+    assert len(gated) == len(plain)
+    for a, b in zip(plain, gated):
+        assert torch.equal(a.codes.audio, b.codes.audio)
+        assert (a.meta.left_context_size, a.meta.right_holdback_size) == (b.meta.left_context_size, b.meta.right_holdback_size)

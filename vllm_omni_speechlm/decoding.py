@@ -125,6 +125,12 @@ class DecodingRules:
         allowed[RowKind.FORCE_EOS, sp.eos] = True
         # Additive masks: 0 where allowed, -inf elsewhere.
         self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
+        # Every id a non-text row may take (stream 0's codec slice and specials, ~1k of ~160k):
+        # batches without text rows are masked, top-k'd and scaled on these columns only.
+        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_EOS]
+        narrow = allowed[[k for k in RowKind if k not in text_kinds]].any(dim=0)
+        self.non_text_columns = narrow.nonzero().squeeze(1).to(device)
+        self.non_text_mask_bias = self.mask_bias[:, self.non_text_columns]
         self._tables(device)
 
     def _tables(self, device) -> None:
@@ -229,16 +235,22 @@ class DecodingRules:
         return Phase(int(phase))
 
     # ---- sampling ------------------------------------------------------------------------
-    def process_primary_logits(self, raw: torch.Tensor, kind: torch.Tensor, p: "RowSampling") -> torch.Tensor:
+    def process_primary_logits(
+        self, raw: torch.Tensor, kind: torch.Tensor, p: "RowSampling", no_text_rows: bool = False
+    ) -> torch.Tensor:
         """[N, V] (CFG-merged) stream-0 logits -> what vLLM's sampler gets: masked, per-modality
         top-k, and text rows rescaled by T_engine / T_text because the engine divides every row
-        of a request by one temperature (T_engine)."""
-        logits = raw.float() + self.mask_bias[kind]
+        of a request by one temperature (T_engine). `no_text_rows` (a host fact, e.g. an
+        audio-only batch) does the work on `non_text_columns` only, with the same result."""
         is_audio = is_audio_row(kind)
         top_k = torch.where(is_audio, p.audio_top_k, p.text_top_k)
-        logits = apply_top_k(logits, top_k, p.max_top_k)
-        scale = torch.where(is_audio, p.audio_scale, p.text_scale)
-        return logits * scale[:, None]
+        scale = torch.where(is_audio, p.audio_scale, p.text_scale)[:, None]
+        if not no_text_rows:
+            return apply_top_k(raw.float() + self.mask_bias[kind], top_k, p.max_top_k) * scale
+        cols = self.non_text_columns
+        narrow = raw[:, cols].float() + self.non_text_mask_bias[kind]
+        out = torch.full(raw.shape, NEG_INF, dtype=torch.float32, device=raw.device)
+        return out.index_copy_(1, cols, apply_top_k(narrow, top_k, p.max_top_k) * scale)
 
     def sample_aux_streams(
         self, logits: torch.Tensor, p: "RowSampling", noise: torch.Tensor

@@ -13,6 +13,10 @@ companion (`cfg.py`), created here when the request arrives. The pair is one sch
 * finished and aborted together, and the companion's outputs never leave the EngineCore (nor
   reach the async_chunk connector).
 
+With async_chunk streaming, a request's steps reach vllm-omni's chunk adapter only when they
+complete a codec window (`WindowGate`, stage_input_processors/speech_codec.py): the adapter
+copies the request and wakes its save thread on every call it gets.
+
 Both members prefill completely in one step (chunked prefill is off) and then decode one token
 per step, so they always sample the same output position in the same step. The all-pad
 unconditional prompts are identical across pairs of equal length, so with prefix caching on they
@@ -30,6 +34,7 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARS
 from vllm_omni.engine.serialization import deserialize_additional_information
 from vllm_omni.request import OmniRequest
 
+from stage_input_processors.speech_codec import WindowGate, speechlm2codec_async_chunk
 from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_prompt, wants_guidance
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
@@ -53,12 +58,29 @@ class _PairedCFGMixin:
         self._orphans: set[str] = set()  # pair members whose partner finished first
         logger.info("stage-0 scheduler: %s (paired CFG)", type(self).__name__)
         self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
+        self._gate: WindowGate | None = None
+        self._gate_ended: set[str] = set()  # external ids freed since the last step
         adapter = getattr(self, "chunk_transfer_adapter", None)
-        if adapter is not None:  # companions have nothing to send downstream
-            send = adapter.save_async
-            adapter.save_async = lambda output=None, request=None, *a, **kw: (
-                None if request is not None and is_companion(request.request_id) else send(output, request, *a, **kw)
-            )
+        if adapter is not None:
+            self._gate_sends(adapter)
+
+    def _gate_sends(self, adapter: Any) -> None:
+        """Companions send nothing downstream; with the speech-codec processor, a main request's
+        step reaches the adapter only when it completes a window (`WindowGate`)."""
+        send = adapter.save_async
+        if adapter.custom_process_next_stage_input_func is speechlm2codec_async_chunk:
+            self._gate = WindowGate.for_adapter(adapter)
+
+        def save_async(output: Any = None, request: Any = None, is_segment_finished: bool = False, **kw: Any) -> Any:
+            if request is not None and is_companion(request.request_id):
+                return None
+            if request is None or self._gate is None:
+                return send(output, request, is_segment_finished, **kw)
+            finished = is_segment_finished or kw.get("force_request_finished") or request.is_finished()
+            hand_over, payload = self._gate.offer(request, output, bool(finished))
+            return send(payload, request, is_segment_finished, **kw) if hand_over else None
+
+        adapter.save_async = save_async
 
     # ---- arrival ----------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
@@ -91,6 +113,9 @@ class _PairedCFGMixin:
     # ---- scheduling -------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._finish_orphans()
+        if self._gate_ended:  # their finishing save (if any) came after the free, last step
+            self._gate.forget(self._gate_ended)
+            self._gate_ended = set()
         self._forget_gone_pairs()
         if not self.partner:  # no pair anywhere: vLLM's scheduling, untouched
             return super().schedule(*args, **kwargs)
@@ -207,6 +232,8 @@ class _PairedCFGMixin:
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """Every finish path (stop, length, abort, error) ends here. A partner still alive is an
         orphan (it cannot decode alone); `_finish_orphans` ends it outside vLLM's finish loop."""
+        if self._gate is not None:
+            self._gate_ended.add(request.external_req_id)
         other = self.partner.pop(request.request_id, None)
         self._held_steps.pop(request.request_id, None)
         if other in self.partner:

@@ -14,7 +14,7 @@ import torch
 
 from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import Phase, RowSampling, aux_seed
+from vllm_omni_speechlm.decoding import OutputMode, Phase, RowSampling, aux_seed
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 
@@ -37,6 +37,7 @@ class RequestTable:
         self.max_output_len = max_output_len
         self.entries: dict[str, RequestEntry] = {}
         self.num_companions = 0
+        self.num_text_capable = 0  # live requests whose modality may produce text rows
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -78,6 +79,7 @@ class RequestTable:
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
+        self.num_text_capable += params.modality != OutputMode.AUDIO
         self.phase[slot] = int(Phase.START)
         self.phase_step[slot] = 0
         self.mode[slot] = int(params.modality)
@@ -91,6 +93,7 @@ class RequestTable:
             if entry is not None:
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
+                self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
 
     def row_sampling(self, slots: torch.Tensor, entries: list[RequestEntry]) -> RowSampling:
         ints, floats = self.ints[slots], self.floats[slots]

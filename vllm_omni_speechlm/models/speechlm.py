@@ -250,7 +250,7 @@ class SpeechLMForCausalLM(nn.Module):
         idx = _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
         step.sampled = (idx, slots[idx])
         table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
-        return rules.process_primary_logits(raw, kinds, rows)
+        return rules.process_primary_logits(raw, kinds, rows, no_text_rows=table.num_text_capable == 0)
 
     def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
         """(main row, companion row, cfg scale) of this step's CFG pairs, or None. The scheduler
