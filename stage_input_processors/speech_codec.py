@@ -172,7 +172,6 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
         state["base"] += drop
 
 
-
 # ---- scheduler side: hand the adapter only the steps that send something -----------------------
 
 
@@ -234,7 +233,7 @@ class WindowGate:
     def _first_chunk(self, request: Any) -> int:
         try:
             return _new_state(request, self.settings)["first_chunk"]
-        except ValueError:  # hand every step over: the processor reports the bad value
+        except ValueError:  # the processor reports the bad value; any size does here
             return 1
 
     def _due(self, state: _GateState, num_audio_rows: int) -> int | None:
