@@ -70,6 +70,7 @@ class _PairedCFGMixin:
         send = adapter.save_async
         if adapter.custom_process_next_stage_input_func is speechlm2codec_async_chunk:
             self._gate = WindowGate.for_adapter(adapter)
+            logger.info("stage-0 chunk sends: only window-completing steps reach the adapter (WindowGate)")
 
         def save_async(output: Any = None, request: Any = None, is_segment_finished: bool = False, **kw: Any) -> Any:
             if request is not None and is_companion(request.request_id):
