@@ -36,8 +36,7 @@ from torch import nn
 from vllm_omni_speechlm.codec.xcodec import (  # X-Codec's acoustic decoder is DAC's
     Snake1d,
     XCodecDecoderBlock,
-    _decoder_source_key,
-    _fold_weight_norm,
+    load_decoder_weights,
     receptive_field_frames,
 )
 
@@ -159,28 +158,12 @@ class DacDecoder(nn.Module):
         cls, path: str | os.PathLike, num_quantizers: int | None = None, dtype=torch.float32, device="cpu"
     ) -> DacDecoder:
         """A DacModel checkpoint directory (config.json in DacConfig's format, model.safetensors)."""
-        from safetensors import safe_open
-
         path = os.fspath(path)
         with open(os.path.join(path, CONFIG_NAME), encoding="utf-8") as f:
             config = DacDecoderConfig.from_dac_dict(json.load(f), num_quantizers)
         with torch.device("meta"):
             model = cls(config)
-        expected = model.state_dict()
-        raw = {}
-        with safe_open(os.path.join(path, WEIGHTS_NAME), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if _decoder_source_key(key) in expected:
-                    raw[key] = f.get_tensor(key)
-        state = _fold_weight_norm(raw)
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ValueError(f"dac checkpoint {path}: missing decoder tensors {missing[:8]}")
-        for key, tensor in state.items():
-            if tensor.shape != expected[key].shape:
-                raise ValueError(f"dac checkpoint {path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}")
-        model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True, assign=True)
-        return model.requires_grad_(False).eval()
+        return load_decoder_weights(model, os.path.join(path, WEIGHTS_NAME), "dac", dtype, device)
 
 
 # ---- tiny random checkpoint (tests) ---------------------------------------------------------

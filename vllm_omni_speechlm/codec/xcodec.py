@@ -508,37 +508,42 @@ class XCodecDecoder(nn.Module):
     ) -> XCodecDecoder:
         """Load from a directory with `config.json` (XcodecConfig format or our flat one) and
         `model.safetensors` (an XcodecModel checkpoint or a decoder-only one)."""
-        from safetensors import safe_open
-
         path = os.fspath(path)
         with open(os.path.join(path, CONFIG_NAME), encoding="utf-8") as f:
             config = XCodecDecoderConfig.from_dict(json.load(f))
-        # Build on the meta device: every tensor is replaced by the checkpoint's below.
+        # Build on the meta device: every tensor is replaced by the checkpoint's.
         with torch.device("meta"):
             model = cls(config)
-        expected = model.state_dict()
+        return load_decoder_weights(model, os.path.join(path, WEIGHTS_NAME), "xcodec", dtype, device)
 
-        raw: dict[str, torch.Tensor] = {}
-        with safe_open(os.path.join(path, WEIGHTS_NAME), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if _decoder_source_key(key) in expected:
-                    raw[key] = f.get_tensor(key)
-        state = _fold_weight_norm(raw)
 
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ValueError(f"xcodec checkpoint {path}: missing decoder tensors {missing[:8]}"
-                             + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
-        for key, tensor in state.items():
-            if tuple(tensor.shape) != tuple(expected[key].shape):
-                raise ValueError(
-                    f"xcodec checkpoint {path}: {key} has shape {tuple(tensor.shape)}, "
-                    f"config {config.to_dict()} expects {tuple(expected[key].shape)}"
-                )
-        state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        model.requires_grad_(False)
-        return model.eval()
+def load_decoder_weights(model: nn.Module, weights: str, codec: str, dtype: torch.dtype, device) -> nn.Module:
+    """Fill a decoder built on the meta device from a safetensors file: only the tensors the
+    decoder has (a full codec checkpoint also holds encoder ones), weight norm folded; a missing
+    tensor or a shape that disagrees with the config fails naming it."""
+    from safetensors import safe_open
+
+    expected = model.state_dict()
+    raw: dict[str, torch.Tensor] = {}
+    with safe_open(weights, framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if _decoder_source_key(key) in expected:
+                raw[key] = f.get_tensor(key)
+    state = _fold_weight_norm(raw)
+
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{codec} checkpoint {weights}: missing decoder tensors {missing[:8]}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ValueError(
+                f"{codec} checkpoint {weights}: {key} has shape {tuple(tensor.shape)}, "
+                f"config {model.config} expects {tuple(expected[key].shape)}"
+            )
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
 
 
 _WEIGHT_NORM_SUFFIXES = {
