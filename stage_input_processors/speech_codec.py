@@ -85,10 +85,14 @@ def _request_initial_chunk(request: Any) -> int | None:
     return value
 
 
+def _first_chunk(request: Any, settings: dict[str, int]) -> int:
+    """The request's first window: its own, else the deployment's, else a full chunk."""
+    return _request_initial_chunk(request) or settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]
+
+
 def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
-    first = _request_initial_chunk(request) or settings["initial_codec_chunk_frames"]
     # emitted: frames already sent as new audio; base: absolute index of the first buffered row.
-    return {"emitted": 0, "base": 0, "first_chunk": first or settings["codec_chunk_frames"]}
+    return {"emitted": 0, "base": 0, "first_chunk": _first_chunk(request, settings)}
 
 
 def _complete_frames(num_audio_rows: int, cfg: SpeechLMConfig) -> int:
@@ -208,7 +212,7 @@ class WindowGate:
         ext_id = request.external_req_id
         state = self._open.get(ext_id)
         if state is None:
-            state = self._open[ext_id] = _GateState(self._first_chunk(request))
+            state = self._open[ext_id] = _GateState(self._first_window(request))
         if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
             multimodal_output = unflatten_payload(multimodal_output)
         rows = _step_rows(multimodal_output, self.cfg)
@@ -230,9 +234,9 @@ class WindowGate:
         state.emitted = end
         return True, self._take(state)
 
-    def _first_chunk(self, request: Any) -> int:
+    def _first_window(self, request: Any) -> int:
         try:
-            return _new_state(request, self.settings)["first_chunk"]
+            return _first_chunk(request, self.settings)
         except ValueError:  # the processor reports the bad value; any size does here
             return 1
 
