@@ -41,3 +41,18 @@ def test_preempted_requests_equal_reference(generator, reference):
     for prompt, result in zip(prompts, results):
         ref = reference.generate(generator.encode(prompt, None), SpeechSamplingParams(**kw))
         assert torch.equal(torch.tensor(result["stream_token_ids"]), ref.tokens)
+
+
+def test_token_outputs_index_the_aux_history_of_every_scheduled_token():
+    """A re-prefill (prompt + outputs), a fresh prompt and a decode token in one step: each token's
+    output index is its position minus the prompt length (negative: a prompt token)."""
+    import numpy as np
+
+    from vllm_omni_speechlm.models.speechlm import _token_outputs
+
+    computed, scheduled, prompt_len = np.array([0, 0, 7]), np.array([5, 2, 1]), np.array([3, 1 << 62, 4])
+    row, output = _token_outputs(computed, scheduled, prompt_len)
+    assert row.tolist() == [0, 0, 0, 0, 0, 1, 1, 2]
+    assert output[:5].tolist() == [-3, -2, -1, 0, 1]  # resumed: outputs 0 and 1 come from the history
+    assert (output[5:7] < 0).all()  # a request not admitted yet: prompt only
+    assert output[7] == 3  # decode: position 7 is output 3

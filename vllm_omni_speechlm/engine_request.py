@@ -15,9 +15,10 @@ from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSampling
 
 
 def speech_params_info(p: SpeechSamplingParams) -> dict[str, Any]:
-    """The model's per-request options (resolved params), as plain scalars (msgpack)."""
+    """The model's per-request options (resolved params), as plain scalars (msgpack). The seed
+    is not among them: the model reads it from the engine's generator for the request."""
     info = {"modality": int(p.modality), "cfg_scale": p.cfg_scale}
-    for name in ("text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "max_text_tokens"):
+    for name in ("text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "max_tokens", "max_text_tokens"):
         info[name] = getattr(p, name)
     return info
 

@@ -23,7 +23,7 @@ class RequestEntry:
     req_id: str
     slot: int
     params: SpeechSamplingParams  # resolved against the checkpoint's defaults
-    prompt_len: int
+    prompt_len: int | None  # None until the request's first sampling step
     aux_generator: torch.Generator | None  # None: unseeded, noise from the global RNG
     max_top_k: int  # host copy, so a step's top-k width needs no device read
     guided_by: str | None = None  # a CFG companion: the id of the main request it guides
@@ -38,6 +38,7 @@ class RequestTable:
         self.entries: dict[str, RequestEntry] = {}
         self.num_companions = 0
         self.num_text_capable = 0  # live requests whose modality may produce text rows
+        self.num_seeded = 0  # live requests with their own aux-stream generator
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -66,7 +67,7 @@ class RequestTable:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.entries
 
-    def admit(self, req_id: str, params: SpeechSamplingParams, prompt_len: int) -> RequestEntry:
+    def admit(self, req_id: str, params: SpeechSamplingParams) -> RequestEntry:
         if not self.free:
             self._grow()
         slot = self.free.pop()
@@ -74,12 +75,13 @@ class RequestTable:
         if params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(aux_seed(params.seed))
         tk, ak, ts, as_, div, budget = params.row_values()
-        entry = RequestEntry(req_id, slot, params, prompt_len, gen, max(tk, ak))
+        entry = RequestEntry(req_id, slot, params, None, gen, max(tk, ak))
         if is_companion(req_id):
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
         self.num_text_capable += params.modality != OutputMode.AUDIO
+        self.num_seeded += gen is not None
         self.phase[slot] = int(Phase.START)
         self.phase_step[slot] = 0
         self.mode[slot] = int(params.modality)
@@ -94,6 +96,7 @@ class RequestTable:
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
                 self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
+                self.num_seeded -= entry.aux_generator is not None
 
     def row_sampling(self, slots: torch.Tensor, entries: list[RequestEntry]) -> RowSampling:
         ints, floats = self.ints[slots], self.floats[slots]
@@ -105,6 +108,8 @@ class RequestTable:
         generator (the contract in `decoding.py`), the rest from the global RNG in one draw."""
         noise = torch.empty(len(entries), self.cfg.num_streams - 1, width, device=self.device)
         noise.exponential_()
+        if not self.num_seeded:
+            return noise
         for i, (entry, sampled) in enumerate(zip(entries, samples)):
             if sampled and entry.aux_generator is not None:
                 noise[i].exponential_(generator=entry.aux_generator)

@@ -3,11 +3,13 @@
 Primary/auxiliary decomposition: the engine samples stream 0 like any token; the model samples
 streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR runner calls them):
 
-    preprocess[_decode_batch]  input embeds = embed(stream 0) + sum embed(streams 1..S-1 of the
-                               previous step), read from the request table; note each row's slot
-    forward                    the backbone (vLLM layers, PagedAttention, CUDA graphs)
-    make_omni_output           hand the runner per-request views of this step's [N, S] host
-                               frame buffer (filled below, copied to the host once in sample)
+    prepare_runner_inputs      note the step's rows; stage sum embed(streams 1..S-1 of each
+                               token's previous step), read from the request table, in one
+                               fixed device buffer (batched; no per-request runner hooks)
+    forward                    embed(stream 0) + that buffer, then the backbone (vLLM layers,
+                               PagedAttention, CUDA graphs)
+    make_omni_output           admit new requests; hand the runner per-request views of this
+                               step's [N, S] host frame buffer (filled below, copied once in sample)
     compute_logits             raw stream-0 logits -> row kinds (phase machine / argmax rule);
                                streams 1..S-1 projected on their own vocabulary slices in one
                                batched matmul and sampled; stream-0 masks, top-k, temperature
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -45,26 +48,42 @@ logger = init_logger(__name__)
 
 @dataclass
 class StepRows:
-    """What the preprocess hooks learned about this step's rows, in logits-row order."""
+    """This step's rows (one per scheduled request, in logits-row order)."""
 
-    entries: list[RequestEntry] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    entries: list[RequestEntry | None] = field(default_factory=list)  # None until admitted
+    computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens computed before
+    scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens this step
+    slots: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)  # output index of the token each row samples
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
-    sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (row index, slot) of sampling rows
+    # (rows, their slots) of the rows that sample; rows is slice(None) when all do (no gather)
+    sampled: tuple[slice | torch.Tensor, torch.Tensor] | None = None
     guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints -> device tensor without a blocking copy (pinned staging on CUDA)."""
-    t = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
+_UNKNOWN_LEN = 1 << 62  # prompt length of a request not admitted yet: all its tokens are prompt
+
+
+def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-request [R] counts -> per scheduled token [T]: its request row and its output index
+    (position - prompt length; negative for prompt tokens)."""
+    row = np.repeat(np.arange(len(scheduled)), scheduled)
+    first = np.repeat(np.cumsum(scheduled) - scheduled, scheduled)  # flat index of each row's first token
+    return row, computed[row] + (np.arange(row.size) - first) - prompt_len[row]
+
+
+def _to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ints (list) or an array -> device tensor without a blocking copy (pinned staging on CUDA)."""
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 class SpeechLMForCausalLM(nn.Module):
     """Subclasses set `make_backbone` (a vLLM decoder stack with `embed_input_ids`)."""
 
-    # vllm-omni runner contract
-    has_preprocess = True
+    # vllm-omni runner contract (no `has_preprocess`: the batched `prepare_runner_inputs`
+    # replaces the runner's per-request preprocess loop)
     have_multimodal_outputs = True
     prefer_model_sampler = True
     requires_request_sample_eligibility = True
@@ -88,6 +107,8 @@ class SpeechLMForCausalLM(nn.Module):
         aux = cfg.streams[1:]
         self.register_buffer("aux_start", torch.tensor([s.vocab_start for s in aux]), persistent=False)
         sched = vllm_config.scheduler_config
+        # Summed aux-stream embeddings of each scheduled token, at a fixed address (CUDA graphs).
+        self.register_buffer("_aux_input", torch.zeros(sched.max_num_batched_tokens, hf.hidden_size), persistent=False)
         self._table_shape = (2 * sched.max_num_seqs, vllm_config.model_config.max_model_len)
         self.table: RequestTable | None = None  # built on first use, on the weights' device
         self.rules: DecodingRules | None = None
@@ -127,59 +148,88 @@ class SpeechLMForCausalLM(nn.Module):
         keep = (aux != self.speech.specials.pad).to(emb.dtype)
         return (emb * keep[..., None]).sum(dim=1)
 
-    def preprocess_batch(self, *, req_ids: list[str], **_: Any) -> None:
-        self._step = StepRows()  # a new step begins; the hooks below append its rows in order
-
-    def preprocess(
-        self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None, **info: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """One request's scheduled span: a (re-)prefill chunk or a single decode token."""
+    def prepare_runner_inputs(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        req_ids: list[str],
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before each forward, outside CUDA graphs: note the step's rows and stage the summed
+        aux-stream embeddings of every scheduled token in `_aux_input`, which `forward` adds.
+        The token at position p of a request is output p - prompt_len when p >= prompt_len,
+        and its aux streams are `aux_history[slot, p - prompt_len]` (a re-prefill after
+        preemption rebuilds them from there); prompt tokens have none."""
         table, _ = self._state()
-        req_id = info["request_id"]
-        prompt_len, start = info["_omni_prompt_len"], info["_omni_num_computed_tokens"]
-        entry = table.entries.get(req_id)
-        if entry is None:
-            entry = table.admit(req_id, self._params(info), prompt_len)
-        elif start == 0:  # preempted and now re-prefilled: outputs come back from the history
-            self.num_resumed += 1
-            self.num_resumed_companions += entry.guided_by is not None
-        embeds = self.model.embed_input_ids(input_ids)
-        first_output = max(prompt_len - start, 0)  # span index of the first output token
-        if first_output < input_ids.numel():  # outputs in the span: add their aux streams
-            lo, hi = start + first_output - prompt_len, start + input_ids.numel() - prompt_len
-            aux = table.aux_history[entry.slot, lo:hi]
-            embeds[first_output:] += self._aux_embeds(aux)
-        self._note_row(entry, start + input_ids.numel() - prompt_len)
-        return input_ids, embeds, {}
+        entries = [table.entries.get(r) for r in req_ids]  # None: not admitted yet (make_omni_output)
+        step = self._step = StepRows(list(req_ids), entries, num_computed_tokens.astype(np.int64), num_scheduled_tokens.astype(np.int64))
+        for entry, start in zip(entries, step.computed):
+            if entry is not None and start == 0:  # preempted and now re-prefilled
+                self.num_resumed += 1
+                self.num_resumed_companions += entry.guided_by is not None
+        prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
+        slot = np.array([0 if e is None else e.slot for e in entries])
+        row, output = _token_outputs(step.computed, step.scheduled, prompt_len)
+        device = input_ids.device
+        aux = table.aux_history[_to_device(slot[row], device), _to_device(np.maximum(output, 0), device)]
+        aux = torch.where(_to_device(output >= 0, device)[:, None], aux, self.speech.specials.pad)
+        self._aux_input[: row.size] = self._aux_embeds(aux)
+        return input_ids, positions
 
-    def preprocess_decode_batch(self, *, input_ids: torch.Tensor, req_infos: list[dict]) -> tuple:
-        """All single-token decode rows of a contiguous run, in one batched lookup."""
-        table, _ = self._state()
-        entries = [table.entries[info["request_id"]] for info in req_infos]
-        generated = [info["_omni_num_computed_tokens"] + 1 - e.prompt_len for info, e in zip(req_infos, entries)]
-        slots = _to_device([e.slot for e in entries], input_ids.device)
-        prev = _to_device([g - 1 for g in generated], input_ids.device)
-        embeds = self.model.embed_input_ids(input_ids) + self._aux_embeds(table.aux_history[slots, prev])
-        for entry, gen in zip(entries, generated):
-            self._note_row(entry, gen)
-        return input_ids, embeds, [{} for _ in req_infos]
-
-    def _note_row(self, entry: RequestEntry, generated: int) -> None:
-        self._step.entries.append(entry)
-        self._step.generated.append(generated)
-
-    def _params(self, info: dict) -> SpeechSamplingParams:
+    def _params(self, info: dict, seed: int | None, req_id: str) -> SpeechSamplingParams:
         """The request's speech options. They are validated where requests enter (API, generator);
         one that slips through invalid must not take the engine down, so it decodes with the
         checkpoint defaults and the error is logged."""
-        raw = dict(info.get(SPEECH_PARAMS_KEY) or {})
-        engine = {"seed": info.get("_omni_seed"), "max_tokens": info.get("_omni_max_tokens")}
-        raw |= {k: v for k, v in engine.items() if v is not None}
+        raw = dict(info.get(SPEECH_PARAMS_KEY) or {}) | {"seed": seed}
         try:
             return SpeechSamplingParams(**raw).resolve(self.speech)
         except (TypeError, ValueError) as e:
-            logger.error("request %s: invalid speech params (%s); using defaults", info.get("request_id"), e)
-            return SpeechSamplingParams(**{k: v for k, v in engine.items() if v is not None}).resolve(self.speech)
+            logger.error("request %s: invalid speech params (%s); using defaults", req_id, e)
+            return SpeechSamplingParams(seed=seed).resolve(self.speech)
+
+    def _admit(self, row: int, buffers: list[dict] | None, sampling_metadata: Any) -> RequestEntry:
+        """Admit a request on its first step. Its speech options come from its additional
+        information; the aux-stream seed from the engine's own generator for the request
+        (vLLM seeds it with SamplingParams.seed), so both streams follow one seed."""
+        req_id = self._step.req_ids[row]
+        info = buffers[row] if buffers is not None and row < len(buffers) else {}
+        generators = getattr(sampling_metadata, "generators", None) or {}
+        seed = generators[row].initial_seed() if row in generators else None
+        return self.table.admit(req_id, self._params(info, seed, req_id))
+
+    def make_omni_output(self, model_outputs: torch.Tensor, **kwargs: Any) -> Any:
+        from vllm_omni.model_executor.models.output_templates import OmniOutput
+
+        step = self._step
+        eligible = kwargs.get("request_sample_eligible")
+        if eligible is None or len(eligible) != len(step.entries):
+            eligible = [True] * len(step.entries)
+        step.samples = list(eligible)
+        ends = step.computed + step.scheduled
+        buffers, metadata = kwargs.get("model_intermediate_buffer"), kwargs.get("sampling_metadata")
+        for i, (entry, ok, end) in enumerate(zip(step.entries, eligible, ends)):
+            if entry is None:
+                entry = step.entries[i] = self._admit(i, buffers, metadata)
+            if ok and entry.prompt_len is None:  # its first sampling step: the whole prompt is in
+                entry.prompt_len = int(end)
+        prompt_len = np.array([end if e.prompt_len is None else e.prompt_len for e, end in zip(step.entries, ends)])
+        step.slots = [e.slot for e in step.entries]
+        step.generated = (ends - prompt_len).tolist()
+        # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
+        # to the host once, in `sample`; the runner gets per-request views of the host copy, so
+        # its per-request `.to("cpu")` moves nothing (one tiny synchronous copy per request per
+        # step halved throughput at 512 requests). Fresh buffers per step: the runner may
+        # serialise them after the next step began.
+        shape, device = (len(step.entries), self.speech.num_streams), model_outputs.device
+        self._frames = torch.zeros(shape, dtype=torch.long, device=device)
+        self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
+        per_request = list(host.split(1))  # one call for all views: this runs per step at batch size
+        for i in (i for i, ok in enumerate(eligible) if not ok):
+            per_request[i] = host[i:i]
+        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": per_request}})
 
     # ---- backbone -------------------------------------------------------------------------
     def forward(
@@ -190,26 +240,9 @@ class SpeechLMForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def make_omni_output(self, model_outputs: torch.Tensor, **kwargs: Any) -> Any:
-        from vllm_omni.model_executor.models.output_templates import OmniOutput
-
-        eligible = kwargs.get("request_sample_eligible")
-        rows = self._step.entries
-        if eligible is None or len(eligible) != len(rows):
-            eligible = [True] * len(rows)
-        self._step.samples = list(eligible)
-        # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
-        # to the host once, in `sample`; the runner gets per-request views of the host copy, so
-        # its per-request `.to("cpu")` moves nothing (one tiny synchronous copy per request per
-        # step halved throughput at 512 requests). Fresh buffers per step: the runner may
-        # serialise them after the next step began.
-        shape, device = (len(rows), self.speech.num_streams), model_outputs.device
-        self._frames = torch.zeros(shape, dtype=torch.long, device=device)
-        self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        per_request = [host[i : i + 1] if ok else host[i:i] for i, ok in enumerate(eligible)]
-        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": per_request}})
+        if inputs_embeds is None:  # stream 0 plus the aux streams staged by prepare_runner_inputs
+            inputs_embeds = self.model.embed_input_ids(input_ids) + self._aux_input[: input_ids.shape[0]]
+        return self.model(None, positions, intermediate_tensors, inputs_embeds)
 
     # ---- heads and sampling ---------------------------------------------------------------
     def _aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,7 +263,7 @@ class SpeechLMForCausalLM(nn.Module):
         if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
             return raw
         table, rules = self._state()
-        slots = _to_device([e.slot for e in step.entries], raw.device)
+        slots = _to_device(step.slots, raw.device)
         generated = _to_device(step.generated, raw.device).clamp_(max=table.max_output_len - 1)
         rows = table.row_sampling(slots, step.entries)
         phase_step = table.phase_step[slots]
@@ -247,7 +280,7 @@ class SpeechLMForCausalLM(nn.Module):
             aux[companion] = aux[main]
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
-        idx = _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
+        idx = slice(None) if all(step.samples) else _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
         step.sampled = (idx, slots[idx])
         table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
         return rules.process_primary_logits(raw, kinds, rows, no_text_rows=table.num_text_capable == 0)

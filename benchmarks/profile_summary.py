@@ -1,0 +1,72 @@
+"""Where stage 0's engine-core process spends a step: shares of py-spy samples per component.
+
+    py-spy record --subprocesses --idle --threads -f raw -o prof.txt -p <benchmark pid>
+    python benchmarks/profile_summary.py prof.txt --out summary.json
+
+(`benchmarks/profile_stage0.sh` records such a profile during the 512-request decode.) A
+component's share is the fraction of the engine core's main-thread samples whose stack contains
+it (inclusive, so nested components overlap); `idle` is the main thread waiting. The output
+thread that serialises each step's results for the client gets its own busy share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+ENGINE_CORE = "EngineCoreProc"  # the engine core process's title (VLLM::StageEngineCoreProc...)
+COMPONENTS = {
+    "scheduler.schedule": "Scheduler.schedule (",
+    "scheduler.update_from_output": "update_from_output (",
+    "runner.preprocess_hooks": "OmniGPUModelRunner._preprocess (",
+    "runner.model_kwargs_extra": "_build_model_kwargs_extra (",
+    "runner.output_builder": "output_builder (",
+    "model.prepare_runner_inputs": "SpeechLMForCausalLM.prepare_runner_inputs (",
+    "model.make_omni_output": "SpeechLMForCausalLM.make_omni_output (",
+    "model.compute_logits": "SpeechLMForCausalLM.compute_logits (",
+    "model.sample": "SpeechLMForCausalLM.sample (",
+}
+IDLE = ("Condition.wait (", "EpollSelector.select (", "Poller.poll (")
+
+
+def summarize(path: str) -> dict:
+    main, output = collections.Counter(), collections.Counter()
+    for line in open(path):
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        if len(frames) < 3 or ENGINE_CORE not in frames[1]:
+            continue
+        idle = frames[-1].startswith(IDLE)
+        if "MainThread" in frames[2]:
+            main["samples"] += int(count)
+            main["idle"] += idle * int(count)
+            for name, needle in COMPONENTS.items():
+                main[name] += any(needle in f for f in frames) * int(count)
+        elif "process_output_sockets" in frames[2]:
+            output["samples"] += int(count)
+            output["busy"] += (not idle) * int(count)
+    total = max(main.pop("samples"), 1)
+    shares = {name: round(main[name] / total, 3) for name in ["idle", *COMPONENTS]}
+    return {
+        "main_thread_samples": total,
+        "main_thread_share": shares,
+        "output_thread_busy_share": round(output["busy"] / max(output["samples"], 1), 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("profile", help="py-spy raw (collapsed) output")
+    ap.add_argument("--out")
+    ap.add_argument("--context", help="free text saved with the summary (device, run, commit)")
+    args = ap.parse_args()
+    summary = summarize(args.profile) | ({"context": args.context} if args.context else {})
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
