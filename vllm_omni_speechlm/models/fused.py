@@ -74,7 +74,7 @@ class FusedCodecDecoding:
             return out
         idx, slots = sampled
         rows = [i for i, ok in enumerate(step.samples) if ok]
-        generated = [step.generated[i] for i in rows]
+        generated = step.generated[rows].tolist()  # host ints (numpy), no device read
         token = out.sampled_token_ids[:, 0]
         self._history()[slots, _to_device(generated, token.device)] = token[idx].to(torch.int32)
         ending = self._ending_rows(rows, generated)

@@ -54,8 +54,10 @@ class StepRows:
     entries: list[RequestEntry | None] = field(default_factory=list)  # None until admitted
     computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens computed before
     scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens this step
-    slots: list[int] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)  # output index of the token each row samples
+    # Per row, set in prepare_runner_inputs and completed at admission (make_omni_output):
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # _UNKNOWN_LEN until known
+    generated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # output index each row samples
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
     # (rows, their slots) of the rows that sample; rows is slice(None) when all do (no gather)
     sampled: tuple[slice | torch.Tensor, torch.Tensor] | None = None
@@ -74,8 +76,9 @@ def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.n
 
 
 def _to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host ints (list) or an array -> device tensor without a blocking copy (pinned staging on CUDA)."""
-    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
+    """Host ints (list) or an array -> a new device tensor (never aliasing the host values, which
+    may be updated in place) without a blocking copy (pinned staging on CUDA)."""
+    t = torch.tensor(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
@@ -170,11 +173,11 @@ class SpeechLMForCausalLM(nn.Module):
             if entry is not None and start == 0:  # preempted and now re-prefilled
                 self.num_resumed += 1
                 self.num_resumed_companions += entry.guided_by is not None
-        prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
-        slot = np.array([0 if e is None else e.slot for e in entries])
-        row, output = _token_outputs(step.computed, step.scheduled, prompt_len)
+        step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
+        step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
+        row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
         device = input_ids.device
-        aux = table.aux_history[_to_device(slot[row], device), _to_device(np.maximum(output, 0), device)]
+        aux = table.aux_history[_to_device(step.slots[row], device), _to_device(np.maximum(output, 0), device)]
         aux = torch.where(_to_device(output >= 0, device)[:, None], aux, self.speech.specials.pad)
         self._aux_input[: row.size] = self._aux_embeds(aux)
         return input_ids, positions
@@ -213,11 +216,10 @@ class SpeechLMForCausalLM(nn.Module):
         for i, (entry, ok, end) in enumerate(zip(step.entries, eligible, ends)):
             if entry is None:
                 entry = step.entries[i] = self._admit(i, buffers, metadata)
+                step.slots[i] = entry.slot
             if ok and entry.prompt_len is None:  # its first sampling step: the whole prompt is in
-                entry.prompt_len = int(end)
-        prompt_len = np.array([end if e.prompt_len is None else e.prompt_len for e, end in zip(step.entries, ends)])
-        step.slots = [e.slot for e in step.entries]
-        step.generated = (ends - prompt_len).tolist()
+                entry.prompt_len = step.prompt_len[i] = int(end)
+        step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
         # to the host once, in `sample`; the runner gets per-request views of the host copy, so
         # its per-request `.to("cpu")` moves nothing (one tiny synchronous copy per request per
