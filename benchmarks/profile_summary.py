@@ -5,7 +5,7 @@
 
 (`benchmarks/profile_stage0.sh` records such a profile during the 512-request decode.) A
 component's share is the fraction of the engine core's main-thread samples whose stack contains
-it (inclusive, so nested components overlap); `idle` is the main thread waiting. The output
+it (inclusive, so nested components overlap); `idle` is the main thread waiting (for work, I/O or the GPU). The output
 thread that serialises each step's results for the client gets its own busy share.
 """
 
@@ -27,7 +27,7 @@ COMPONENTS = {
     "model.compute_logits": "SpeechLMForCausalLM.compute_logits (",
     "model.sample": "SpeechLMForCausalLM.sample (",
 }
-IDLE = ("Condition.wait (", "EpollSelector.select (", "Poller.poll (")
+IDLE = ("Condition.wait (", "EpollSelector.select (", "Poller.poll (", "Event.synchronize (")  # waiting: I/O, the GPU
 
 
 def summarize(path: str) -> dict:

@@ -113,7 +113,8 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()
-    omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args))
+    worker = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
+    omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **worker)
     params = SamplingParams(temperature=0.8, top_k=0, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
 
     def requests(n: int, seed: int, cfg_scale: float = 1.0) -> list[dict]:
@@ -157,6 +158,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
     ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")
+    ap.add_argument("--speech-worker-cls", help="stage-0 worker (A/B: vllm_omni.worker.gpu_ar_worker.GPUARWorker, the stock one)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
     args = ap.parse_args()
 

@@ -185,16 +185,17 @@ def start_speechlm_server(model_dir: str, deploy_yaml: str, log_dir: Path):
         server.stop()
 
 
+def flatten(values):
+    """collective_rpc's results, nested per stage and worker, as one flat sequence."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            yield from flatten(v)
+        else:
+            yield v
+
+
 def worker_sum(omni, fn) -> int:
-    """Sum of `fn(model)` over stage 0's workers (collective_rpc "apply_model" nests the results)."""
-
-    def flatten(values):
-        for v in values:
-            if isinstance(v, (list, tuple)):
-                yield from flatten(v)
-            else:
-                yield v
-
+    """Sum of `fn(model)` over stage 0's workers (collective_rpc "apply_model")."""
     return sum(flatten(omni.engine.collective_rpc("apply_model", args=(fn,), stage_ids=[0])))
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import worker_sum
+from conftest import flatten, worker_sum
 from vllm_omni_speechlm.audio import read_wav
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -133,3 +133,27 @@ def test_bad_arguments_raise(generator, kw, field):
 def test_empty_prompt_is_rejected(generator):
     with pytest.raises(ValueError, match="prompts"):
         generator.generate([""])
+
+
+def _runner_classes(omni) -> set[str]:
+    return set(flatten([omni.engine.collective_rpc(lambda worker: type(worker.model_runner).__name__, stage_ids=[0])]))
+
+
+def test_deploy_yaml_selects_the_batched_runner(generator):
+    """speech_lm_only.yaml names the GPU runner and, under `platforms: cpu:`, its CPU twin."""
+    assert _runner_classes(generator.omni) == {"CPUSpeechLMARModelRunner"}
+
+
+@pytest.mark.parametrize("worker", ["CPUSpeechLMARWorker", "CPUARWorker"])
+def test_chunked_prefill_matches_reference(tiny_bagpiper, reference, worker):
+    """Prompts prefilled in 8-token chunks next to decoding rows: a row samples only once its
+    whole prompt is in (the batched runner reads that from vLLM's discard mask, vllm-omni's stock
+    runner builds it per request; the model runs under both). Greedy: no seeded generator to rewind."""
+    from vllm_omni_speechlm.generator import SpeechLMGenerator
+
+    engine = ENGINE | dict(enable_chunked_prefill=True, max_num_batched_tokens=8)
+    with SpeechLMGenerator(tiny_bagpiper, worker_cls=f"vllm_omni_speechlm.platforms.cpu_worker.{worker}", **engine) as gen:
+        assert _runner_classes(gen.omni) == {worker.replace("Worker", "ModelRunner")}
+        kw = dict(modality="text+audio", max_text_tokens=4, max_tokens=30, text_temperature=0.0, audio_temperature=0.0)
+        for prompt, result in zip(PROMPTS[1:3], gen.generate(PROMPTS[1:3], **kw)):
+            _assert_same(result, _reference(reference, gen, prompt, **kw))

@@ -9,7 +9,8 @@ streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR run
     forward                    embed(stream 0) + that buffer, then the backbone (vLLM layers,
                                PagedAttention, CUDA graphs)
     make_omni_output           admit new requests; hand the runner per-request views of this
-                               step's [N, S] host frame buffer (filled below, copied once in sample)
+                               step's [N, S] host frame buffer (filled below, copied once in sample;
+                               stage 0's own runner, runner.py, takes them without copying)
     compute_logits             raw stream-0 logits -> row kinds (phase machine / argmax rule);
                                streams 1..S-1 projected on their own vocabulary slices in one
                                batched matmul and sampled; stream-0 masks, top-k, temperature
@@ -22,7 +23,7 @@ auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,18 @@ class StepRows:
 
 _UNKNOWN_LEN = 1 << 62  # prompt length of a request not admitted yet: all its tokens are prompt
 
+CODES_KEY = "codes.audio"  # the client's key of the per-step frames (vllm-omni flattens nested keys)
+# make_omni_output keyword: the runner takes this step's frame views as they are (runner.py)
+FRAME_ROWS_KWARG = "frame_rows"
+
+
+@dataclass(frozen=True)
+class FrameRows:
+    """One [1, S] host view per row of this step's frames ([0, S] for a row that does not sample).
+    Not a list: vllm-omni's generic payload code would copy every view twice per step."""
+
+    views: list[torch.Tensor]
+
 
 def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-request [R] counts -> per scheduled token [T]: its request row and its output index
@@ -93,7 +106,7 @@ class SpeechLMForCausalLM(nn.Module):
     skips_model_sampler_output_token_history = True
     omni_pooler_payload_include_hidden = False
     requires_full_prefix_cached_hidden_states = False
-    omni_client_multimodal_output_keys = ("codes.audio",)
+    omni_client_multimodal_output_keys = (CODES_KEY,)
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -193,7 +206,7 @@ class SpeechLMForCausalLM(nn.Module):
             logger.error("request %s: invalid speech params (%s); using defaults", req_id, e)
             return SpeechSamplingParams(seed=seed).resolve(self.speech)
 
-    def _admit(self, row: int, buffers: list[dict] | None, sampling_metadata: Any) -> RequestEntry:
+    def _admit(self, row: int, buffers: Sequence[dict] | None, sampling_metadata: Any) -> RequestEntry:
         """Admit a request on its first step. Its speech options come from its additional
         information; the aux-stream seed from the engine's own generator for the request
         (vLLM seeds it with SamplingParams.seed), so both streams follow one seed."""
@@ -210,10 +223,10 @@ class SpeechLMForCausalLM(nn.Module):
         eligible = kwargs.get("request_sample_eligible")
         if eligible is None or len(eligible) != len(step.entries):
             eligible = [True] * len(step.entries)
-        step.samples = list(eligible)
+        step.samples = np.asarray(eligible, dtype=bool).tolist()  # a list, or the runner's array
         ends = step.computed + step.scheduled
         buffers, metadata = kwargs.get("model_intermediate_buffer"), kwargs.get("sampling_metadata")
-        for i, (entry, ok, end) in enumerate(zip(step.entries, eligible, ends)):
+        for i, (entry, ok, end) in enumerate(zip(step.entries, step.samples, ends)):
             if entry is None:
                 entry = step.entries[i] = self._admit(i, buffers, metadata)
                 step.slots[i] = entry.slot
@@ -221,17 +234,18 @@ class SpeechLMForCausalLM(nn.Module):
                 entry.prompt_len = step.prompt_len[i] = int(end)
         step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
-        # to the host once, in `sample`; the runner gets per-request views of the host copy, so
-        # its per-request `.to("cpu")` moves nothing (one tiny synchronous copy per request per
-        # step halved throughput at 512 requests). Fresh buffers per step: the runner may
+        # to the host once, in `sample`; the runner gets per-request views of the host copy
+        # (one tiny synchronous copy per request per step halved throughput at 512 requests),
+        # which `runner.py` passes on as they are. Fresh buffers per step: the runner may
         # serialise them after the next step began.
         shape, device = (len(step.entries), self.speech.num_streams), model_outputs.device
         self._frames = torch.zeros(shape, dtype=torch.long, device=device)
         self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        per_request = list(host.split(1))  # one call for all views: this runs per step at batch size
-        for i in (i for i, ok in enumerate(eligible) if not ok):
-            per_request[i] = host[i:i]
-        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": per_request}})
+        views = list(host.split(1))  # one call for all views: this runs per step at batch size
+        for i in (i for i, ok in enumerate(step.samples) if not ok):
+            views[i] = host[i:i]
+        codes = FrameRows(views) if kwargs.get(FRAME_ROWS_KWARG) else views
+        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": codes}})
 
     # ---- backbone -------------------------------------------------------------------------
     def forward(

@@ -17,6 +17,8 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
+from vllm_omni_speechlm.runner import SpeechLMRunnerMixin
+
 
 class _CPURunnerMixin:
     """Shared tail of the CPU runners.
@@ -81,3 +83,13 @@ class CPUGenerationWorker(_CPUOmniWorker):
     """Worker for ``StageExecutionType.LLM_GENERATION`` stages on CPU."""
 
     model_runner_cls = CPUGenerationModelRunner
+
+
+class CPUSpeechLMARModelRunner(SpeechLMRunnerMixin, CPUARModelRunner):
+    """The speech LM stage's runner (`vllm_omni_speechlm/runner.py`) on CPU."""
+
+
+class CPUSpeechLMARWorker(CPUARWorker):
+    """Worker for the speech LM stage on CPU (deploy YAMLs select it under `platforms: cpu:`)."""
+
+    model_runner_cls = CPUSpeechLMARModelRunner

@@ -1,0 +1,85 @@
+"""Stage 0's model runner: vllm-omni's AR runner with its per-request Python loops batched.
+
+At a few hundred requests the speech LM stage is bound by host work per step, and vllm-omni's
+AR runner does some of it once per request per step for every model:
+
+* `_build_model_kwargs_extra` gathers each request's additional information, indexes a CPU
+  tensor per request for token spans, and builds the sample-eligibility list request by request;
+* the output builder copies each request's `codes.audio` row to the CPU (a no-op copy: it is
+  already there) and clones it.
+
+The speech LM reads a request's information only when it admits the request, ignores token spans
+(it has its own rows), and hands the runner views of a fresh host buffer that nothing else
+writes. So this runner passes the information as a lazy per-row view, takes eligibility from
+vLLM's own `discard_request_mask` (computed + scheduled < tokens), and puts each request's
+frame view in its payload as it is. Deploy YAMLs select it per platform (`worker_cls`:
+`SpeechLMARWorker` on GPUs, `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
+from vllm_omni.worker.gpu_ar_worker import GPUARWorker
+
+from vllm_omni_speechlm.models.speechlm import CODES_KEY, FRAME_ROWS_KWARG, FrameRows
+
+
+class RowInfo:
+    """Each row's additional information, looked up only when read (`[row]`, `len`): the
+    sequence vllm-omni builds eagerly, request by request, every step."""
+
+    __slots__ = ("_req_ids", "_info")
+
+    def __init__(self, req_ids: list[str], info: Mapping[str, dict]):
+        self._req_ids, self._info = req_ids, info
+
+    def __len__(self) -> int:
+        return len(self._req_ids)
+
+    def __getitem__(self, row: int) -> dict:
+        return self._info.get(self._req_ids[row], {})
+
+
+class SpeechLMRunnerMixin:
+    """Batched replacements of vllm-omni AR runner steps (see the module docstring)."""
+
+    def _build_model_kwargs_extra(self) -> dict:
+        self._sync_local_stage_payloads()
+        num_reqs = self.input_batch.num_reqs
+        info = RowInfo(self.input_batch.req_ids, self.model_intermediate_buffer)
+        extra: dict[str, Any] = {"model_intermediate_buffer": info, "runtime_additional_information": info}
+        # vLLM set the mask for this step in _prepare_inputs: rows whose prompt is not all in yet.
+        extra["request_sample_eligible"] = ~self.discard_request_mask.np[:num_reqs]
+        # With prefix caching, payloads come from vllm-omni's merged cache path instead.
+        extra[FRAME_ROWS_KWARG] = self.omni_prefix_cache is None
+        return extra
+
+    def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
+        rows = mm_cpu.get(CODES_KEY) if mm_cpu else None
+        if not isinstance(rows, FrameRows):
+            return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
+        payload = {}
+        rest = self._outputs_besides_frames(mm_cpu)  # the fused model's clips, for example
+        if rest:
+            payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs)
+        payload[CODES_KEY] = rows.views[idx]
+        return payload
+
+    def _outputs_besides_frames(self, mm_cpu: dict) -> dict:
+        """mm_cpu without the frames, built once per step (the builder calls per request)."""
+        if getattr(self, "_rest_of", None) is not mm_cpu:
+            self._rest_of, self._rest = mm_cpu, {k: v for k, v in mm_cpu.items() if k != CODES_KEY}
+        return self._rest
+
+
+class SpeechLMARModelRunner(SpeechLMRunnerMixin, GPUARModelRunner):
+    """vllm-omni's GPU AR runner with the batched speech LM steps."""
+
+
+class SpeechLMARWorker(GPUARWorker):
+    """vllm-omni's GPU AR worker running `SpeechLMARModelRunner`."""
+
+    model_runner_cls = SpeechLMARModelRunner
