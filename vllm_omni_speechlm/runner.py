@@ -6,14 +6,16 @@ AR runner does some of it once per request per step for every model:
 * `_build_model_kwargs_extra` gathers each request's additional information, indexes a CPU
   tensor per request for token spans, and builds the sample-eligibility list request by request;
 * the output builder copies each request's `codes.audio` row to the CPU (a no-op copy: it is
-  already there) and clones it.
+  already there), clones it, and builds, flattens, filters and checks its payload dict twice.
 
 The speech LM reads a request's information only when it admits the request, ignores token spans
 (it has its own rows), and hands the runner views of a fresh host buffer that nothing else
 writes. So this runner passes the information as a lazy per-row view, takes eligibility from
 vLLM's own `discard_request_mask` (computed + scheduled < tokens), and puts each request's
-frame view in its payload as it is. Deploy YAMLs select it per platform (`worker_cls`:
-`SpeechLMARWorker` on GPUs, `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
+frame view in its payload as it is. When the payloads only go to the client (no async chunks,
+no connector accumulating full payloads, no prefix cache), it builds them itself, one dict per
+row, instead of vllm-omni's per-request builder. Deploy YAMLs select it per platform
+(`worker_cls`: `SpeechLMARWorker` on GPUs, `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_omni.data_entry_keys import flatten_payload
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 
@@ -57,22 +60,41 @@ class SpeechLMRunnerMixin:
         extra[FRAME_ROWS_KWARG] = self.omni_prefix_cache is None
         return extra
 
+    def _client_only_payloads(self) -> bool:
+        """The step's payloads go to the client only: no async chunks (inter-stage payloads),
+        no connector accumulating full payloads, no prefix cache (merged payloads)."""
+        return not self._async_chunk and self.omni_prefix_cache is None and not self._should_accumulate_full_payload_output()
+
+    def _resolve_pooler_payload_req_ids(self, req_ids: list[str]) -> tuple[str, list[str]]:
+        if not self._client_only_payloads():
+            return super()._resolve_pooler_payload_req_ids(req_ids)
+        # vllm-omni's per-request builder gets no requests: the override below builds the payloads.
+        return (self.vllm_config.model_config.engine_output_type or "").lower(), []
+
+    def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
+        output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
+        if multimodal_outputs and self._client_only_payloads():
+            output.multimodal_outputs = _row_payloads(flatten_payload(multimodal_outputs), len(output.req_ids))
+        return output
+
     def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
+        """vllm-omni's per-request builder (async chunks, connectors): the row's frame view as it
+        is, any other output (the fused model's clips) the usual way."""
         rows = mm_cpu.get(CODES_KEY) if mm_cpu else None
         if not isinstance(rows, FrameRows):
             return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
-        payload = {}
-        rest = self._outputs_besides_frames(mm_cpu)  # the fused model's clips, for example
-        if rest:
-            payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs)
-        payload[CODES_KEY] = rows.views[idx]
-        return payload
+        rest = {k: v for k, v in mm_cpu.items() if k != CODES_KEY}
+        payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs) if rest else {}
+        return payload | {CODES_KEY: rows.views[idx]}
 
-    def _outputs_besides_frames(self, mm_cpu: dict) -> dict:
-        """mm_cpu without the frames, built once per step (the builder calls per request)."""
-        if getattr(self, "_rest_of", None) is not mm_cpu:
-            self._rest_of, self._rest = mm_cpu, {k: v for k, v in mm_cpu.items() if k != CODES_KEY}
-        return self._rest
+
+def _row_payloads(outputs: dict[str, Any], num_rows: int) -> list[dict[str, Any]]:
+    """{key: one value per row} -> one payload dict per row."""
+    per_row = {k: v.views if isinstance(v, FrameRows) else v for k, v in outputs.items()}
+    for key, values in per_row.items():
+        if not isinstance(values, (list, tuple)) or len(values) != num_rows:
+            raise TypeError(f"speech LM runner: multimodal output {key!r} must hold one tensor per row ({num_rows})")
+    return [dict(zip(per_row, row)) for row in zip(*per_row.values())]
 
 
 class SpeechLMARModelRunner(SpeechLMRunnerMixin, GPUARModelRunner):
