@@ -5,8 +5,9 @@
 
 (`benchmarks/profile_stage0.sh` records such a profile during the 512-request decode.) A
 component's share is the fraction of the engine core's main-thread samples whose stack contains
-it (inclusive, so nested components overlap); `idle` is the main thread waiting (for work, I/O or the GPU). The output
-thread that serialises each step's results for the client gets its own busy share.
+it (inclusive, so nested components overlap); `idle` is the main thread waiting (for work, I/O
+or the GPU). The output thread that serialises each step's results for the client gets its own
+busy share.
 """
 
 from __future__ import annotations
