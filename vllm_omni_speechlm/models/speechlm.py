@@ -189,9 +189,9 @@ class SpeechLMForCausalLM(nn.Module):
         step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
         step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
-        device = input_ids.device
-        aux = table.aux_history[_to_device(step.slots[row], device), _to_device(np.maximum(output, 0), device)]
-        aux = torch.where(_to_device(output >= 0, device)[:, None], aux, self.speech.specials.pad)
+        slot, output = _to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
+        aux = table.aux_history[slot, output.clamp(min=0)]
+        aux = torch.where((output >= 0)[:, None], aux, self.speech.specials.pad)
         self._aux_input[: row.size] = self._aux_embeds(aux)
         return input_ids, positions
 
@@ -279,8 +279,8 @@ class SpeechLMForCausalLM(nn.Module):
         if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
             return raw
         table, rules = self._state()
-        slots = _to_device(step.slots, raw.device)
-        generated = _to_device(step.generated, raw.device).clamp_(max=table.max_output_len - 1)
+        slots, generated = _to_device(np.stack([step.slots, step.generated]), raw.device)  # one copy
+        generated = generated.clamp_(max=table.max_output_len - 1)
         rows = table.row_sampling(slots, step.entries)
         phase_step = table.phase_step[slots]
         kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
