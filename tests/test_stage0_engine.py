@@ -1,5 +1,6 @@
 """Stage 0 on the real vLLM-Omni engine (CPU, float32): all S streams equal the reference."""
 
+import functools
 import os
 import threading
 import time
@@ -76,6 +77,10 @@ def test_matches_reference(generator, reference, kw):
 def test_concurrent_requests_equal_solo_runs(generator, reference):
     """8 requests of different lengths and output modes in one batch: each equals its solo
     reference run (no crosstalk through slots, history or generators)."""
+    _assert_batch_equals_solo_runs(generator, reference)
+
+
+def _assert_batch_equals_solo_runs(generator, reference) -> None:
     modes = ["audio", "text+audio", "auto", "text+audio"] * 2
     prompts = PROMPTS + [p + " Thanks a lot." for p in PROMPTS]
     batch = []
@@ -90,6 +95,45 @@ def test_concurrent_requests_equal_solo_runs(generator, reference):
     for out in outputs:
         _, kw, prompt_ids = batch[int(out.request_id.split("_", 1)[0])]
         _assert_same(generator.result(out), reference.generate(prompt_ids, SpeechSamplingParams(**kw)))
+
+
+def _compile_step_functions(backend, model) -> int:
+    """Compile with `backend` (None: eager) and warm up as vLLM's dummy sampler run does on CUDA;
+    -> graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model.compile_step_functions(backend)
+    if backend is not None:
+        threads = torch.get_num_threads()  # the warm-up sets vLLM's serving count
+        with torch.inference_mode():  # as vLLM runs its dummy sampler run
+            hidden = torch.randn(8, model.lm_head.weight.shape[1])
+            model._compile_step_functions_now(hidden, model.logits_processor(model.lm_head, hidden))
+        torch.set_num_threads(threads)
+    return _compiled_graphs(model)
+
+
+def _compiled_graphs(model) -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_functions_match_reference(generator, reference):
+    """The per-step device math as stage 0 runs it on CUDA (torch.compile, fullgraph, dynamic
+    shapes, warmed up at start), traced the same way but run by eager kernels (aot_eager: CPU has
+    no Inductor build here): the mixed batch, a guided request and a lone request (the
+    batch-size-1 graphs) still equal the reference, and none of them compiles a new graph."""
+    warm = worker_sum(generator.omni, functools.partial(_compile_step_functions, "aot_eager"))
+    assert warm >= 6  # 3 functions, batch sizes 1 and >= 2, and more variants
+    try:
+        _assert_batch_equals_solo_runs(generator, reference)
+        for kw in (dict(modality="audio", cfg_scale=3.0, seed=8), dict(modality="text+audio", max_text_tokens=3, seed=9)):
+            [result] = generator.generate(PROMPTS[2], max_tokens=24, **kw)
+            _assert_same(result, _reference(reference, generator, PROMPTS[2], **dict(kw, max_tokens=24)))
+        assert worker_sum(generator.omni, _compiled_graphs) == warm
+    finally:
+        worker_sum(generator.omni, functools.partial(_compile_step_functions, None))
 
 
 def _live(generator) -> int:

@@ -25,6 +25,9 @@ to pad while phase_step < s (delay warm-up) and eos is masked while phase_step <
 in DRAIN (drain row d = phase_step + 1), stream 0 is forced to pad for d < S and to eos at d = S,
 and stream s >= 1 still samples its last frames while d < s.
 
+Tensors are compared with `int(...)` of the enums: torch.compile (the engine compiles this math
+on CUDA) folds `tensor == IntEnum` to a Python bool.
+
 Random-number contract (what the engine path reproduces exactly):
   * stream 0 is sampled by vLLM's sampler from the logits `process_primary_logits` returns:
     `x / T_engine` -> softmax(float32) -> `argmax(p / q)`, q ~ Exp(1) over the row, drawn from a
@@ -92,7 +95,7 @@ class RowKind(enum.IntEnum):
 
 def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
     """[N] RowKind -> [N] bool: rows sampled as audio (audio settings, CFG, aux streams)."""
-    return (kind == RowKind.AUDIO) | (kind == RowKind.AUDIO_NO_EOS)
+    return (kind == int(RowKind.AUDIO)) | (kind == int(RowKind.AUDIO_NO_EOS))
 
 
 def aux_seed(seed: int) -> int:
@@ -191,14 +194,14 @@ class DecodingRules:
         kind = self.kind_by_phase[mode, phase]
         from_logits = self.kind_by_argmax[raw_logits.argmax(dim=-1)]
         kind = torch.where(kind < 0, from_logits, kind)
-        over_budget = (phase == Phase.TEXT) & (generated > p.max_text_tokens)
+        over_budget = (phase == int(Phase.TEXT)) & (generated > p.max_text_tokens)
         kind = torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
         if phase_step is None:
             return kind
         dec, s = self.cfg.decoding, self.cfg.num_streams
-        too_short = (kind == RowKind.AUDIO) & (phase == Phase.AUDIO) & (phase_step < dec.min_audio_frames)
+        too_short = (kind == int(RowKind.AUDIO)) & (phase == int(Phase.AUDIO)) & (phase_step < dec.min_audio_frames)
         kind = torch.where(too_short, int(RowKind.AUDIO_NO_EOS), kind)
-        drained = (phase == Phase.DRAIN) & (phase_step >= s - 1)
+        drained = (phase == int(Phase.DRAIN)) & (phase_step >= s - 1)
         return torch.where(drained, int(RowKind.FORCE_EOS), kind)
 
     def aux_sampled(self, kind: torch.Tensor, phase_step: torch.Tensor) -> torch.Tensor:
@@ -208,7 +211,7 @@ class DecodingRules:
         audio = is_audio_row(kind)
         step = phase_step[:, None]
         warm = step >= self.aux_index if self.cfg.decoding.delay_warmup else torch.ones_like(audio[:, None])
-        draining = (kind == RowKind.FORCE_PAD)[:, None] & (step + 1 < self.aux_index)
+        draining = (kind == int(RowKind.FORCE_PAD))[:, None] & (step + 1 < self.aux_index)
         return (audio[:, None] & warm) | draining
 
     def emitted_token(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,10 @@ class RequestTable:
                 self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
                 self.num_seeded -= entry.aux_generator is not None
 
-    def row_sampling(self, slots: torch.Tensor, entries: list[RequestEntry]) -> RowSampling:
+    def row_sampling(self, slots: torch.Tensor, max_top_k: int) -> RowSampling:
+        """Rows' sampling tensors; `max_top_k` is the host max over their entries' `max_top_k`."""
         ints, floats = self.ints[slots], self.floats[slots]
-        max_k = max(e.max_top_k for e in entries)
-        return RowSampling(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_k)
+        return RowSampling(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_top_k)
 
     def aux_noise(self, entries: list[RequestEntry], samples: list[bool], width: int) -> torch.Tensor:
         """[N, S-1, W] Exp(1) noise: rows that sample and are seeded draw from their own

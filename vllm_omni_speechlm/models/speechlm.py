@@ -17,29 +17,36 @@ streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR run
                                compensation; returns what vLLM's sampler gets
     sample                     vLLM's own Sampler picks stream 0; the phase machine advances
 
+On CUDA the device math of these hooks runs as four `torch.compile`d functions (the `*_eager`
+methods; `compile_step_functions`), compiled in vLLM's warm-up: eagerly it is ~100 small kernel
+launches per step, the host's critical path at tens of requests.
+
 The client sees one [1, S] row per sampled position under `codes.audio` (stream 0 and the
 auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, S].
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.utils.torch_utils import set_torch_threads_for_runtime
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
+from vllm_omni_speechlm.decoding import DecodingRules, RowSampling, is_audio_row
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
@@ -62,6 +69,7 @@ class StepRows:
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
     # (rows, their slots) of the rows that sample; rows is slice(None) when all do (no gather)
     sampled: tuple[slice | torch.Tensor, torch.Tensor] | None = None
+    index: torch.Tensor | None = None  # [2, N] device slots and output indices (compute_logits)
     guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
 
 
@@ -86,6 +94,13 @@ def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.n
     row = np.repeat(np.arange(len(scheduled)), scheduled)
     first = np.repeat(np.cumsum(scheduled) - scheduled, scheduled)  # flat index of each row's first token
     return row, computed[row] + (np.arange(row.size) - first) - prompt_len[row]
+
+
+def _step_compile_backend(vllm_config: VllmConfig) -> str | None:
+    """Inductor on CUDA; eager on CPU and where the user turned compilation off (enforce_eager, -O0)."""
+    if vllm_config.device_config.device_type != "cuda" or vllm_config.compilation_config.mode == CompilationMode.NONE:
+        return None
+    return "inductor"
 
 
 def _to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
@@ -133,6 +148,7 @@ class SpeechLMForCausalLM(nn.Module):
         self._frames_host: torch.Tensor | None = None
         self.num_resumed = 0  # re-prefills after preemption (observability, tests)
         self.num_resumed_companions = 0
+        self.compile_step_functions(_step_compile_backend(vllm_config))
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         raise NotImplementedError
@@ -145,6 +161,17 @@ class SpeechLMForCausalLM(nn.Module):
         ends = [s.vocab_end for s in cfg.streams[1:-1]]
         if ends != [s.vocab_start for s in cfg.streams[2:]]:
             raise ValueError("speechlm config: stream_sizes: streams 1..S-1 must be adjacent in the vocabulary")
+
+    def compile_step_functions(self, backend: str | None) -> None:
+        """Run the per-step device math (`*_eager` below) compiled by torch.compile with `backend`,
+        or eagerly (None). Eagerly it is ~100 small kernel launches per step, the engine's critical
+        path at tens of requests; Inductor fuses them into a few kernels. dynamic=True: one graph
+        serves every batch size >= 2. fullgraph: a graph break is an error, not a slow path."""
+        fns = (self._staged_aux_eager, self._decode_rows_eager, self._primary_logits_eager, self._advance_rows_eager)
+        self._step_backend = backend
+        if backend is not None:
+            fns = tuple(torch.compile(fn, backend=backend, fullgraph=True, dynamic=True) for fn in fns)
+        self._staged_aux, self._decode_rows, self._primary_logits, self._advance_rows = fns
 
     # ---- lazily built device state ---------------------------------------------------------
     def _state(self) -> tuple[RequestTable, DecodingRules]:
@@ -189,11 +216,17 @@ class SpeechLMForCausalLM(nn.Module):
         step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
         step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
-        slot, output = _to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
-        aux = table.aux_history[slot, output.clamp(min=0)]
-        aux = torch.where((output >= 0)[:, None], aux, self.speech.specials.pad)
-        self._aux_input[: row.size] = self._aux_embeds(aux)
+        index = _to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
+        self._aux_input[: row.size] = self._staged_aux(index)
         return input_ids, positions
+
+    def _staged_aux_eager(self, index: torch.Tensor) -> torch.Tensor:
+        """[2, T] slot and output index (negative: a prompt token) of each scheduled token ->
+        [T, H] summed embeddings of its aux streams (none for prompt tokens)."""
+        slot, output = index
+        aux = self.table.aux_history[slot, output.clamp(min=0)]
+        aux = torch.where((output >= 0)[:, None], aux, self.speech.specials.pad)
+        return self._aux_embeds(aux)
 
     def _params(self, info: dict, seed: int | None, req_id: str) -> SpeechSamplingParams:
         """The request's speech options. They are validated where requests enter (API, generator);
@@ -277,29 +310,84 @@ class SpeechLMForCausalLM(nn.Module):
         raw = self.logits_processor(self.lm_head, h0)
         step.sampled = None
         if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
+            if self._step_backend is not None and n >= 4:
+                self._compile_step_functions_now(hidden_states, raw)
             return raw
-        table, rules = self._state()
-        slots, generated = _to_device(np.stack([step.slots, step.generated]), raw.device)  # one copy
-        generated = generated.clamp_(max=table.max_output_len - 1)
-        rows = table.row_sampling(slots, step.entries)
-        phase_step = table.phase_step[slots]
-        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
-        aux_logits = self._aux_logits(hidden_states)
+        table, _ = self._state()
+        index = _to_device(np.stack([step.slots, step.generated]), raw.device)  # [2, N], one copy
+        slots, generated = index
+        generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
-        if step.guided is not None:
-            raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, step.guided)
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
-        aux = rules.sample_aux_streams(aux_logits, rows, noise) + self.aux_start
-        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
-        if step.guided is not None:  # the companion is fed the main's tokens
-            main, companion, _ = step.guided
-            aux[companion] = aux[main]
+        rows = table.row_sampling(slots, max(e.max_top_k for e in step.entries))
+        raw, kinds, aux = self._decode_rows(hidden_states, raw, index, rows, noise, step.guided)
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
         idx = slice(None) if all(step.samples) else _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
-        step.sampled = (idx, slots[idx])
-        table.aux_history[slots[idx], generated[idx]] = aux[idx].to(torch.int32)
-        return rules.process_primary_logits(raw, kinds, rows, no_text_rows=table.num_text_capable == 0)
+        step.sampled, step.index = (idx, slots[idx]), index
+        table.aux_history[slots[idx], generated[idx]] = aux[idx]
+        return self._primary_logits(raw, kinds, rows, table.num_text_capable == 0)
+
+    def _decode_rows_eager(
+        self,
+        hidden: torch.Tensor,
+        raw: torch.Tensor,
+        index: torch.Tensor,
+        rows: RowSampling,
+        noise: torch.Tensor,
+        guided: tuple | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's math after the LM head, without side effects: [N, H] hidden states, [N, V]
+        raw stream-0 logits, [2, N] slots and output indices, [N, S-1, W] noise -> stream-0
+        logits (CFG-merged), [N] row kinds, [N, S-1] aux stream ids (int32; pad where not sampled)."""
+        table, rules = self.table, self.rules
+        slots, generated = index
+        phase_step = table.phase_step[slots]
+        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
+        aux_logits = self._aux_logits(hidden)
+        if guided is not None:
+            raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, guided)
+        aux = rules.sample_aux_streams(aux_logits, rows, noise) + self.aux_start
+        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
+        if guided is not None:  # the companion is fed the main's tokens
+            main, companion, _ = guided
+            aux[companion] = aux[main]
+        return raw, kinds, aux.to(torch.int32)
+
+    def _primary_logits_eager(self, raw: torch.Tensor, kinds: torch.Tensor, rows: RowSampling, no_text_rows: bool) -> torch.Tensor:
+        """What vLLM's sampler gets (a function of its own: its variants double the graphs)."""
+        return self.rules.process_primary_logits(raw, kinds, rows, no_text_rows)
+
+    @torch.inference_mode()  # as vLLM runs steps: grad mode is part of a graph's guards
+    def _compile_step_functions_now(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
+        """vLLM's dummy sampler run: compile the step functions now for the variants serving
+        meets (one row or more, text rows or none, CFG pairs, partial prefill chunks), so no
+        request waits on a compile. Inputs take the forms a step passes (a graph guards on
+        dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
+        table, _ = self._state()
+        start, device, cfg = time.perf_counter(), hidden.device, self.speech
+        set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
+
+        def index(n: int) -> torch.Tensor:
+            return _to_device(np.zeros((2, n), dtype=np.int64), device)
+
+        def rows(n: int) -> torch.Tensor:
+            return _to_device(list(range(n)), device)
+
+        # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
+        with fx_config.patch(use_duck_shape=False):
+            for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
+                noise = torch.empty(n, cfg.num_streams - 1, cfg.aux_stream_width, device=device).exponential_()
+                guided = (rows(pairs), rows(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
+                sampling = table.row_sampling(index(n)[0], 2)
+                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index(n), sampling, noise, guided)
+                for no_text_rows in (False, True):
+                    self._primary_logits(merged, kinds, sampling, no_text_rows)
+                sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
+                for idx in (slice(None), rows(1), rows(min(n, 2))):
+                    self._advance_rows(sampled, index(n), idx)
+                self._staged_aux(index(n))
+        logger.info("speech LM step functions compiled in %.1f s", time.perf_counter() - start)
 
     def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
         """(main row, companion row, cfg scale) of this step's CFG pairs, or None. The scheduler
@@ -336,20 +424,31 @@ class SpeechLMForCausalLM(nn.Module):
         if self._step.sampled is None:
             return out
         idx, slots = self._step.sampled
-        table, rules = self._state()
+        table, _ = self._state()
         if self._step.guided is not None:  # in place: vLLM feeds these ids to the next step
             main, companion, _ = self._step.guided
             out.sampled_token_ids[companion] = out.sampled_token_ids[main]
-        # A drain family's first eos is emitted deferred (vLLM would stop on it): rewrite in place.
-        token = out.sampled_token_ids[:, 0].long()
-        token[idx] = rules.emitted_token(table.phase[slots], token[idx])
-        out.sampled_token_ids[:, 0] = token.to(out.sampled_token_ids.dtype)
+        token, phase, phase_step = self._advance_rows(out.sampled_token_ids, self._step.index, idx)
+        out.sampled_token_ids[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
         self._frames[:, 0] = token
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self._frames_host.copy_(self._frames, non_blocking=True)
-        table.phase[slots], table.phase_step[slots] = rules.step(table.phase[slots], table.phase_step[slots], token[idx])
+        table.phase[slots], table.phase_step[slots] = phase, phase_step
         self._step.sampled = None
         return out
+
+    def _advance_rows_eager(
+        self, sampled: torch.Tensor, index: torch.Tensor, idx: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, 1] sampled stream-0 ids, [2, N] rows' slots and output indices, the rows that
+        sample (`idx`) -> [N] emitted ids (a drain family's first eos is emitted deferred: vLLM
+        would stop on it) and the sampling rows' next phase and phase step."""
+        table, rules = self.table, self.rules
+        slots = index[0][idx]
+        token, phase = sampled[:, 0].clone(), table.phase[slots]
+        token[idx] = rules.emitted_token(phase, token[idx].long()).to(token.dtype)
+        nxt, nxt_step = rules.step(phase, table.phase_step[slots], token[idx].long())
+        return token, nxt, nxt_step
 
     # ---- lifecycle ------------------------------------------------------------------------
     def on_requests_finished(self, finished_req_ids: set[str] | list[str]) -> None:
