@@ -110,6 +110,7 @@ def test_top_k_per_row_keeps_ties_and_disables_at_zero():
         [False, False, True, True],
         [True, True, True, True],  # k=0: no top-k
     ]
+    assert torch.equal(apply_top_k(logits, torch.tensor([0, -1, 0]), max_top_k=0), logits)  # no row has top-k
 
 
 def test_aux_sampling_is_greedy_at_temperature_zero():

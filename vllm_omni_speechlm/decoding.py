@@ -268,10 +268,9 @@ class DecodingRules:
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Keep each row's `top_k[i]` largest logits (ties at the k-th value kept); k <= 0 keeps all.
     `max_top_k` is a host int (max over the batch's requests), so the shape never depends on
-    tensor values."""
-    if max_top_k <= 0:
-        return logits
-    k = min(max_top_k, logits.shape[-1])
+    tensor values. No branch on it (a batch without top-k takes width 1 and keeps all): a
+    compiled graph would otherwise split in two."""
+    k = max(1, min(max_top_k, logits.shape[-1]))
     top = logits.topk(k, dim=-1).values
     kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
     kth = torch.where(top_k[:, None] > 0, kth, NEG_INF)

@@ -361,7 +361,8 @@ class SpeechLMForCausalLM(nn.Module):
     @torch.inference_mode()  # as vLLM runs steps: grad mode is part of a graph's guards
     def _compile_step_functions_now(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
         """vLLM's dummy sampler run: compile the step functions now for the variants serving
-        meets (one row or more, text rows or none, CFG pairs, partial prefill chunks), so no
+        meets (one row or more, text rows or none, CFG pairs, partial prefill chunks: at most 6
+        graphs a function, under dynamo's limit of 8, which fullgraph makes an error), so no
         request waits on a compile. Inputs take the forms a step passes (a graph guards on
         dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
         table, _ = self._state()
@@ -384,7 +385,7 @@ class SpeechLMForCausalLM(nn.Module):
                 for no_text_rows in (False, True):
                     self._primary_logits(merged, kinds, sampling, no_text_rows)
                 sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
-                for idx in (slice(None), rows(1), rows(min(n, 2))):
+                for idx in (slice(None), rows(0), rows(1), rows(min(n, 2))):
                     self._advance_rows(sampled, index(n), idx)
                 self._staged_aux(index(n))
         logger.info("speech LM step functions compiled in %.1f s", time.perf_counter() - start)
