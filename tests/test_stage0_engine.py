@@ -105,12 +105,16 @@ def _compile_step_functions(backend, model) -> int:
     counters.clear()
     model.compile_step_functions(backend)
     if backend is not None:
-        threads = torch.get_num_threads()  # the warm-up sets vLLM's serving count
-        with torch.inference_mode():  # as vLLM runs its dummy sampler run
-            hidden = torch.randn(8, model.lm_head.weight.shape[1])
-            model._compile_step_functions_now(hidden, model.logits_processor(model.lm_head, hidden))
-        torch.set_num_threads(threads)
+        _warm_up(model, model._compile_step_functions_now)
     return _compiled_graphs(model)
+
+
+def _warm_up(model, warm_up) -> None:
+    threads = torch.get_num_threads()  # the warm-up sets vLLM's serving count
+    with torch.inference_mode():  # as vLLM runs its dummy sampler run
+        hidden = torch.randn(8, model.lm_head.weight.shape[1])
+        warm_up(hidden, model.logits_processor(model.lm_head, hidden))
+    torch.set_num_threads(threads)
 
 
 def _compiled_graphs(model) -> int:
@@ -134,6 +138,24 @@ def test_compiled_step_functions_match_reference(generator, reference):
         assert worker_sum(generator.omni, _compiled_graphs) == warm
     finally:
         worker_sum(generator.omni, functools.partial(_compile_step_functions, None))
+
+
+def _failing_backend(graph, example_inputs):
+    raise RuntimeError("no compiler here")
+
+
+def _warm_up_with_failing_compiler(model) -> int:
+    model.compile_step_functions(_failing_backend)
+    _warm_up(model, model._warm_up_step_functions)
+    return int(model._step_backend is None)
+
+
+def test_step_functions_run_eagerly_when_compiling_fails(generator, reference):
+    """A compiler failure in the warm-up leaves the engine serving, eagerly and exactly."""
+    assert worker_sum(generator.omni, _warm_up_with_failing_compiler) == 1
+    kw = dict(modality="audio", seed=11, max_tokens=16)
+    [result] = generator.generate(PROMPTS[1], **kw)
+    _assert_same(result, _reference(reference, generator, PROMPTS[1], **kw))
 
 
 def _live(generator) -> int:

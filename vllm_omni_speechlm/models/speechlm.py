@@ -28,7 +28,7 @@ auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +162,7 @@ class SpeechLMForCausalLM(nn.Module):
         if ends != [s.vocab_start for s in cfg.streams[2:]]:
             raise ValueError("speechlm config: stream_sizes: streams 1..S-1 must be adjacent in the vocabulary")
 
-    def compile_step_functions(self, backend: str | None) -> None:
+    def compile_step_functions(self, backend: str | Callable | None) -> None:
         """Run the per-step device math (`*_eager` below) compiled by torch.compile with `backend`,
         or eagerly (None). Eagerly it is ~100 small kernel launches per step, the engine's critical
         path at tens of requests; Inductor fuses them into a few kernels. dynamic=True: one graph
@@ -311,7 +311,7 @@ class SpeechLMForCausalLM(nn.Module):
         step.sampled = None
         if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
             if self._step_backend is not None and n >= 4:
-                self._compile_step_functions_now(hidden_states, raw)
+                self._warm_up_step_functions(hidden_states, raw)
             return raw
         table, _ = self._state()
         index = _to_device(np.stack([step.slots, step.generated]), raw.device)  # [2, N], one copy
@@ -357,6 +357,15 @@ class SpeechLMForCausalLM(nn.Module):
     def _primary_logits_eager(self, raw: torch.Tensor, kinds: torch.Tensor, rows: RowSampling, no_text_rows: bool) -> torch.Tensor:
         """What vLLM's sampler gets (a function of its own: its variants double the graphs)."""
         return self.rules.process_primary_logits(raw, kinds, rows, no_text_rows)
+
+    def _warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
+        """Compile now; if that fails, the step math runs eagerly (correct, slower) rather than
+        the engine going down."""
+        try:
+            self._compile_step_functions_now(hidden, raw)
+        except Exception:
+            logger.exception("speech LM step functions failed to compile; running them eagerly")
+            self.compile_step_functions(None)
 
     @torch.inference_mode()  # as vLLM runs steps: grad mode is part of a graph's guards
     def _compile_step_functions_now(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
