@@ -27,6 +27,7 @@ auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -377,26 +378,21 @@ class SpeechLMForCausalLM(nn.Module):
         table, _ = self._state()
         start, device, cfg = time.perf_counter(), hidden.device, self.speech
         set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
-
-        def index(n: int) -> torch.Tensor:
-            return _to_device(np.zeros((2, n), dtype=np.int64), device)
-
-        def rows(n: int) -> torch.Tensor:
-            return _to_device(list(range(n)), device)
-
+        arange = functools.partial(torch.arange, device=device)
         # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
         with fx_config.patch(use_duck_shape=False):
             for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
+                index = _to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = torch.empty(n, cfg.num_streams - 1, cfg.aux_stream_width, device=device).exponential_()
-                guided = (rows(pairs), rows(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
-                sampling = table.row_sampling(index(n)[0], 2)
-                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index(n), sampling, noise, guided)
+                guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
+                sampling = table.row_sampling(index[0], 2)
+                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, sampling, noise, guided)
                 for no_text_rows in (False, True):
                     self._primary_logits(merged, kinds, sampling, no_text_rows)
                 sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
-                for idx in (slice(None), rows(0), rows(1), rows(min(n, 2))):
-                    self._advance_rows(sampled, index(n), idx)
-                self._staged_aux(index(n))
+                for idx in (slice(None), arange(0), arange(1), arange(min(n, 2))):
+                    self._advance_rows(sampled, index, idx)
+                self._staged_aux(index)
         logger.info("speech LM step functions compiled in %.1f s", time.perf_counter() - start)
 
     def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
