@@ -5,8 +5,9 @@ same backbone on vLLM, dummy weights, fixed-length generation.
 
 Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step) and
 ignore eos, so every request generates exactly --gen-len steps; the baseline generates
---gen-len text tokens per request. Reported: frames/s (Bagpiper) or tok/s (text LM), and
-the ratio frames/s / tok/s per concurrency. With --cfg, max(concurrency)/2 guided requests
+--gen-len text tokens per request. Reported: frames/s (Bagpiper) or tok/s (text LM), the
+median of --repeats timed runs (each run's rate is saved too), and the ratio frames/s / tok/s
+per concurrency. With --cfg, max(concurrency)/2 guided requests
 (cfg_scale 3) run on the same engine: their decode rows/s (main + companion) against the plain run's
 frames/s at the same row count is the cost of guidance. Prints and saves JSON.
 """
@@ -29,6 +30,25 @@ def _prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[lis
     return torch.randint(vocab[0], vocab[1], (n, length), generator=g).tolist()
 
 
+def _median_run(args, run) -> dict:
+    """`run()` (-> items generated) --repeats times: the median run by rate, with every run's rate.
+    Single runs of the same code on one host have differed by up to 25% (short windows: the
+    prefill and the tail are part of each)."""
+    runs = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        count = run()
+        elapsed = time.perf_counter() - start
+        runs.append({"seconds": elapsed, "count": count, "per_s": count / elapsed})
+    median = sorted(runs, key=lambda r: r["per_s"])[len(runs) // 2]
+    return {**median, "runs_per_s": [r["per_s"] for r in runs]}
+
+
+def _text_result(label: str, n: int, r: dict) -> dict:
+    print(f"{label} concurrency {n:4d}: {r['per_s']:9.1f} tok/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
+    return {"seconds": r["seconds"], "tokens": r["count"], "tok_per_s": r["per_s"], "runs_tok_per_s": r["runs_per_s"]}
+
+
 def _engine_settings(args) -> dict:
     return dict(
         load_format="dummy",
@@ -48,15 +68,11 @@ def bench_text_lm(model_dir: str, args) -> dict[int, dict]:
         llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], params)
         for n in args.concurrency:
             prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[n] = {"seconds": elapsed, "tokens": tokens, "tok_per_s": tokens / elapsed}
-            print(f"text LM   concurrency {n:4d}: {tokens / elapsed:9.1f} tok/s ({elapsed:.2f} s)", flush=True)
+            run = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)))
+            results[n] = _text_result("text LM  ", n, run)
     finally:
         llm.llm_engine.engine_core.shutdown()
-        del llm
+        llm = None  # frees the engine before the next run
         gc.collect()
         torch.cuda.empty_cache()
     return results
@@ -91,12 +107,8 @@ def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict]:
         omni.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], [params], use_tqdm=False)
         for n in args.concurrency:
             prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
-            start = time.perf_counter()
-            outs = omni.generate(prompts, [params], use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[n] = {"seconds": elapsed, "tokens": tokens, "tok_per_s": tokens / elapsed}
-            print(f"omni text concurrency {n:4d}: {tokens / elapsed:9.1f} tok/s ({elapsed:.2f} s)", flush=True)
+            run = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in omni.generate(prompts, [params], use_tqdm=False)))
+            results[n] = _text_result("omni text", n, run)
     finally:
         omni.close()
     return results
@@ -121,19 +133,19 @@ def bench_speech_lm(model_dir: str, args) -> dict:
         speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
         return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
 
-    def timed(reqs: list[dict], label: str, rows_per_request: int) -> dict:
-        start = time.perf_counter()
+    def frames(reqs: list[dict]) -> int:
         outs = omni.generate(reqs, [params], use_tqdm=False)
-        elapsed = time.perf_counter() - start
         assert len(outs) == len(reqs)  # companions never reach the client
-        frames = 0
         for o in outs:
             rows = o.multimodal_output["codes"]["audio"]
             assert rows.shape == (args.gen_len, 8), rows.shape  # every step one 8-stream frame
-            frames += rows.shape[0]
-        result = {"requests": len(reqs), "seconds": elapsed, "frames": frames, "frames_per_s": frames / elapsed}
-        result["decode_rows_per_s"] = rows_per_request * frames / elapsed
-        print(f"speech LM {label}: {frames / elapsed:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s ({elapsed:.2f} s)", flush=True)
+        return len(outs) * args.gen_len
+
+    def timed(reqs: list[dict], label: str, rows_per_request: int) -> dict:
+        r = _median_run(args, lambda: frames(reqs))
+        result = {"requests": len(reqs), "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
+        result |= {"runs_frames_per_s": r["runs_per_s"], "decode_rows_per_s": rows_per_request * r["per_s"]}
+        print(f"speech LM {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
         return result
 
     results: dict = {}
@@ -155,6 +167,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (the median is reported)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
     ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")

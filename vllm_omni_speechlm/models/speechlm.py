@@ -47,7 +47,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, RowSampling, is_audio_row
+from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
@@ -210,10 +210,10 @@ class SpeechLMForCausalLM(nn.Module):
         table, _ = self._state()
         entries = [table.entries.get(r) for r in req_ids]  # None: not admitted yet (make_omni_output)
         step = self._step = StepRows(list(req_ids), entries, num_computed_tokens.astype(np.int64), num_scheduled_tokens.astype(np.int64))
-        for entry, start in zip(entries, step.computed):
-            if entry is not None and start == 0:  # preempted and now re-prefilled
+        for i in np.flatnonzero(step.computed == 0).tolist():  # a first chunk: new, or preempted and now re-prefilled
+            if entries[i] is not None:
                 self.num_resumed += 1
-                self.num_resumed_companions += entry.guided_by is not None
+                self.num_resumed_companions += entries[i].guided_by is not None
         step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
         step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
@@ -260,12 +260,13 @@ class SpeechLMForCausalLM(nn.Module):
         step.samples = np.asarray(eligible, dtype=bool).tolist()  # a list, or the runner's array
         ends = step.computed + step.scheduled
         buffers, metadata = kwargs.get("model_intermediate_buffer"), kwargs.get("sampling_metadata")
-        for i, (entry, ok, end) in enumerate(zip(step.entries, step.samples, ends)):
+        for i in np.flatnonzero(step.prompt_len == _UNKNOWN_LEN).tolist():  # not admitted, or prompt not all in
+            entry = step.entries[i]
             if entry is None:
                 entry = step.entries[i] = self._admit(i, buffers, metadata)
                 step.slots[i] = entry.slot
-            if ok and entry.prompt_len is None:  # its first sampling step: the whole prompt is in
-                entry.prompt_len = step.prompt_len[i] = int(end)
+            if step.samples[i]:  # its first sampling step: the whole prompt is in
+                entry.prompt_len = step.prompt_len[i] = int(ends[i])
         step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
         # to the host once, in `sample`; the runner gets per-request views of the host copy
@@ -320,29 +321,31 @@ class SpeechLMForCausalLM(nn.Module):
         generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
-        rows = table.row_sampling(slots, max(e.max_top_k for e in step.entries))
-        raw, kinds, aux = self._decode_rows(hidden_states, raw, index, rows, noise, step.guided)
+        max_top_k = max(e.max_top_k for e in step.entries)
+        raw, kinds, aux = self._decode_rows(hidden_states, raw, index, max_top_k, noise, step.guided)
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
-        idx = slice(None) if all(step.samples) else _to_device([i for i, ok in enumerate(step.samples) if ok], raw.device)
+        idx = slice(None) if all(step.samples) else _to_device(np.flatnonzero(step.samples), raw.device)
         step.sampled, step.index = (idx, slots[idx]), index
         table.aux_history[slots[idx], generated[idx]] = aux[idx]
-        return self._primary_logits(raw, kinds, rows, table.num_text_capable == 0)
+        return self._primary_logits(raw, kinds, index, max_top_k, table.num_text_capable == 0)
 
     def _decode_rows_eager(
         self,
         hidden: torch.Tensor,
         raw: torch.Tensor,
         index: torch.Tensor,
-        rows: RowSampling,
+        max_top_k: int,
         noise: torch.Tensor,
         guided: tuple | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's math after the LM head, without side effects: [N, H] hidden states, [N, V]
-        raw stream-0 logits, [2, N] slots and output indices, [N, S-1, W] noise -> stream-0
-        logits (CFG-merged), [N] row kinds, [N, S-1] aux stream ids (int32; pad where not sampled)."""
+        raw stream-0 logits, [2, N] slots and output indices, the rows' largest top-k,
+        [N, S-1, W] noise -> stream-0 logits (CFG-merged), [N] row kinds, [N, S-1] aux stream
+        ids (int32; pad where not sampled)."""
         table, rules = self.table, self.rules
         slots, generated = index
+        rows = table.row_sampling(slots, max_top_k)
         phase_step = table.phase_step[slots]
         kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
         aux_logits = self._aux_logits(hidden)
@@ -355,8 +358,11 @@ class SpeechLMForCausalLM(nn.Module):
             aux[companion] = aux[main]
         return raw, kinds, aux.to(torch.int32)
 
-    def _primary_logits_eager(self, raw: torch.Tensor, kinds: torch.Tensor, rows: RowSampling, no_text_rows: bool) -> torch.Tensor:
+    def _primary_logits_eager(
+        self, raw: torch.Tensor, kinds: torch.Tensor, index: torch.Tensor, max_top_k: int, no_text_rows: bool
+    ) -> torch.Tensor:
         """What vLLM's sampler gets (a function of its own: its variants double the graphs)."""
+        rows = self.table.row_sampling(index[0], max_top_k)
         return self.rules.process_primary_logits(raw, kinds, rows, no_text_rows)
 
     def _warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
@@ -375,7 +381,7 @@ class SpeechLMForCausalLM(nn.Module):
         graphs a function, under dynamo's limit of 8, which fullgraph makes an error), so no
         request waits on a compile. Inputs take the forms a step passes (a graph guards on
         dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
-        table, _ = self._state()
+        self._state()  # the tables the functions read
         start, device, cfg = time.perf_counter(), hidden.device, self.speech
         set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
         arange = functools.partial(torch.arange, device=device)
@@ -385,10 +391,9 @@ class SpeechLMForCausalLM(nn.Module):
                 index = _to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = torch.empty(n, cfg.num_streams - 1, cfg.aux_stream_width, device=device).exponential_()
                 guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
-                sampling = table.row_sampling(index[0], 2)
-                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, sampling, noise, guided)
+                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
                 for no_text_rows in (False, True):
-                    self._primary_logits(merged, kinds, sampling, no_text_rows)
+                    self._primary_logits(merged, kinds, index, 2, no_text_rows)
                 sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
                 for idx in (slice(None), arange(0), arange(1), arange(min(n, 2))):
                     self._advance_rows(sampled, index, idx)

@@ -1,0 +1,165 @@
+"""Where a decode step's GPU time goes: Bagpiper (vLLM-Omni stage 0) against the plain Qwen3 text
+LM, same geometry and settings as stage0_throughput.py, under vLLM's torch profiler.
+
+    python benchmarks/gpu_step_profile.py --out summary.json [--concurrency 64] [--runs text speech]
+
+For each run, --steps decode steps are traced after --skip steps (past the prefill). From the
+trace: GPU busy time per step (union of kernels and copies) against the step's wall time, the
+GPU time under each vLLM runner phase (preprocess, forward, postprocess, sample, ...) and the
+top kernels. The profiler slows the host (every launch is recorded), so wall times here are
+not throughput; GPU time per step is. Prints and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+from stage0_throughput import _engine_settings, _prompts
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _settings(args) -> dict:
+    """stage0_throughput's engine settings for this one concurrency."""
+    return _engine_settings(argparse.Namespace(**{**vars(args), "concurrency": [args.concurrency]}))
+
+
+def _profiler_config(trace_dir: str, args) -> dict:
+    return dict(
+        profiler="torch",
+        torch_profiler_dir=trace_dir,
+        torch_profiler_with_stack=False,
+        delay_iterations=args.skip,
+        max_iterations=args.steps,
+        ignore_frontend=True,
+    )
+
+
+def trace_text_lm(model_dir: str, trace_dir: str, args) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, profiler_config=_profiler_config(trace_dir, args), **_settings(args))
+    params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
+    n = args.concurrency
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], params, use_tqdm=False)
+    llm.start_profile()
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)], params, use_tqdm=False)
+    llm.stop_profile()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def trace_speech_lm(model_dir: str, trace_dir: str, args) -> None:
+    import stage_configs
+    from vllm import SamplingParams
+    from vllm_omni import Omni
+
+    from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
+
+    plugin.register()
+    deploy = stage_configs.path("speech_lm_only.yaml")
+    omni = Omni(model=model_dir, deploy_config=deploy, profiler_config=_profiler_config(trace_dir, args), **_settings(args))
+    params = SamplingParams(temperature=0.8, top_k=0, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
+    speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20}}
+    n = args.concurrency
+    try:
+        omni.generate([{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], [params], use_tqdm=False)
+        omni.start_profile()
+        omni.generate([{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), n)], [params], use_tqdm=False)
+        omni.stop_profile()
+    finally:
+        omni.close()
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
+    """Chrome trace (torch profiler) -> GPU time per step, per runner phase and per kernel."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    if not gpu:
+        return {"trace": os.path.basename(trace_path), "error": "no GPU events (CPU run?)"}
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "user_annotation")
+    starts = [p[0] for p in phases]
+
+    def phase_of(ts: float) -> str:
+        # innermost (latest-starting) annotation enclosing the launch
+        for a, b, name in reversed(phases[: bisect.bisect_right(starts, ts)]):
+            if a <= ts <= b:
+                return name
+        return "(none)"
+
+    by_phase, by_kernel = collections.Counter(), collections.Counter()
+    count = collections.Counter()
+    for e in gpu:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        by_phase[phase_of(launch["ts"]) if launch else "(no launch)"] += e["dur"]
+        by_kernel[e["name"][:100]] += e["dur"]
+        count[e["name"][:100]] += 1
+    window = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / 1e3
+    busy = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    runtime = collections.Counter(e["name"] for e in events if e.get("cat") == "cuda_runtime")
+    return {
+        "trace": os.path.basename(trace_path),
+        "steps": steps,
+        "wall_ms_per_step": window / steps,
+        "gpu_busy_ms_per_step": busy / steps,
+        "gpu_busy_fraction": busy / window,
+        "gpu_ms_per_step_by_phase": {k: v / 1e3 / steps for k, v in by_phase.most_common()},
+        "top_kernels": [
+            {"name": k, "ms_per_step": v / 1e3 / steps, "launches_per_step": count[k] / steps} for k, v in by_kernel.most_common(top)
+        ],
+        "runtime_calls_per_step": {k: v / steps for k, v in runtime.most_common(12)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "speech"])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=96)
+    ap.add_argument("--skip", type=int, default=24, help="steps before tracing (prefill, first decode steps)")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps traced")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
+    args = ap.parse_args()
+
+    from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
+
+    geometry = BackboneGeometry() if args.tiny else BAGPIPER_8B
+    root = tempfile.mkdtemp(prefix="gpu-step-profile-")
+    report = {"benchmark": "gpu_step_profile", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "settings": vars(args)}
+    tracers = {"text": trace_text_lm, "speech": trace_speech_lm}
+    for name in args.runs:
+        model_dir, trace_dir = os.path.join(root, name), os.path.join(root, f"{name}-trace")
+        write_geometry_config(model_dir, geometry, speech=name == "speech")
+        tracers[name](model_dir, trace_dir, args)
+        traces = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True), key=os.path.getsize)
+        report[name] = summarize(traces[-1], args.steps) if traces else {"error": f"no trace under {trace_dir}"}
+        print(json.dumps({name: report[name]}, indent=1), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
