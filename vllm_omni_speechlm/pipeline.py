@@ -24,7 +24,7 @@ def _is_speechlm(hf_config) -> bool:
 
 def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
     """Stage 0: the AR speech LM. Its client output is text (stream 0) plus `codes.audio`, one
-    [1, S] row of all streams per generated token."""
+    [1, S] row of all streams per generated token (sent in blocks of steps: client_frames.py)."""
     fields = dict(
         stage_id=0,
         model_stage=SPEECH_LM_STAGE,
@@ -101,7 +101,7 @@ BAGPIPER_FUSED_ARCH = "BagpiperFusedForCausalLM"
 BAGPIPER_FUSED_PIPELINE = PipelineConfig(
     model_type="bagpiper_fused",  # by name only (deploy YAML `pipeline:`)
     model_arch=BAGPIPER_FUSED_ARCH,
-    # Text (stream 0), `codes.audio` every step, and `audio` + `sr` in the step a request ends.
+    # Text (stream 0), `codes.audio` rows (in blocks of steps), and `audio` + `sr` in the step a request ends.
     stages=(speech_lm_stage(BAGPIPER_FUSED_ARCH),),
 )
 

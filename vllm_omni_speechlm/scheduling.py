@@ -36,6 +36,7 @@ from vllm_omni.request import OmniRequest
 
 from stage_input_processors.speech_codec import WindowGate, speechlm2codec_async_chunk
 from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_prompt, wants_guidance
+from vllm_omni_speechlm.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
@@ -60,6 +61,8 @@ class _PairedCFGMixin:
         self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
         self._gate: WindowGate | None = None
         self._gate_ended: set[str] = set()  # external ids freed since the last step
+        self.frame_blocks = ClientFrameBlocks()
+        self._updating = False  # inside update_from_output
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:
             self._gate_sends(adapter)
@@ -214,14 +217,18 @@ class _PairedCFGMixin:
     # ---- results and finishing --------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         had_pairs = bool(self.partner)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._updating = True
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._updating = False
         self._finish_orphans()
-        if not had_pairs:
-            return outputs
         for engine_outputs in outputs.values():
-            engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
-            if engine_outputs.finished_requests:
-                engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
+            if had_pairs:
+                engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
+                if engine_outputs.finished_requests:
+                    engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
+            self.frame_blocks.regroup(engine_outputs.outputs, self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
@@ -235,6 +242,7 @@ class _PairedCFGMixin:
         orphan (it cannot decode alone); `_finish_orphans` ends it outside vLLM's finish loop."""
         if self._gate is not None:
             self._gate_ended.add(request.external_req_id)
+        self.frame_blocks.forget(request.request_id, after_this_step=self._updating)
         other = self.partner.pop(request.request_id, None)
         self._held_steps.pop(request.request_id, None)
         if other in self.partner:

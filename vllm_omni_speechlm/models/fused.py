@@ -4,7 +4,7 @@ The published deployment of these models: no codec stage, no connector. The AR w
 speech LM exactly as `SpeechLMForCausalLM` does and, in the step where a request ends, de-interleaves
 that request's audio rows and decodes them with the checkpoint's codec (`<model_dir>/codec`,
 float32) in the same worker. The clip goes to the client in that step's multimodal output under
-`audio` ([T * hop] float32, 16 kHz for X-Codec) with `sr`; every step still carries `codes.audio`.
+`audio` ([T * hop] float32, 16 kHz for X-Codec) with `sr`; `codes.audio` still comes too.
 
 Which requests end in a step is decided on the host from the step's sampled stream-0 tokens
 (the engine's stop rules: `<|eos|>`, `max_tokens`, `max_model_len`). Those tokens are already copied

@@ -22,7 +22,8 @@ methods; `compile_step_functions`), compiled in vLLM's warm-up: eagerly it is ~1
 launches per step, the host's critical path at tens of requests.
 
 The client sees one [1, S] row per sampled position under `codes.audio` (stream 0 and the
-auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, S].
+auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, S]; the
+scheduler sends them in blocks of steps (`client_frames.py`).
 """
 
 from __future__ import annotations
