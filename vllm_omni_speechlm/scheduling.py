@@ -15,7 +15,8 @@ companion (`cfg.py`), created here when the request arrives. The pair is one sch
 
 With async_chunk streaming, a request's steps reach vllm-omni's chunk adapter only when they
 complete a codec window (`WindowGate`, stage_input_processors/speech_codec.py): the adapter
-copies the request and wakes its save thread on every call it gets.
+copies the request and wakes its save thread on every call it gets. The client gets a request's
+frames (`codes.audio`) in blocks of steps (`ClientFrameBlocks`, client_frames.py).
 
 Both members prefill completely in one step (chunked prefill is off) and then decode one token
 per step, so they always sample the same output position in the same step. The all-pad
