@@ -26,9 +26,12 @@ from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
 
-def _stream_tokens(output: Any) -> torch.Tensor:
-    """[L, S] tokens of every step from an OmniRequestOutput (`codes.audio` rows)."""
-    codes = output.multimodal_output["codes"]["audio"]
+def _stream_tokens(output: Any, num_streams: int) -> torch.Tensor:
+    """[L, S] tokens of every step from an OmniRequestOutput (`codes.audio` rows). Rows come in
+    blocks of steps (client_frames.py): a request aborted before its first block has none."""
+    codes = (output.multimodal_output or {}).get("codes", {}).get("audio")
+    if codes is None:
+        return torch.zeros(0, num_streams, dtype=torch.long)
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes.audio: expected a tensor, got {type(codes).__name__}")
     return codes.to(torch.long).cpu()
@@ -177,7 +180,7 @@ class SpeechLMGenerator:
         lm = next((o for o in outputs if getattr(o, "stage_id", 0) == 0), None)
         if lm is None:  # only the codec stage's audio reached the client
             return self._result_dict(None, waveform, None, [], [])
-        tokens = _stream_tokens(lm)
+        tokens = _stream_tokens(lm, self.cfg.num_streams)
         completion = lm.outputs[0]
         codes = audio_codes(tokens, self.cfg) if waveform is None else None
         if codes is not None:
