@@ -30,8 +30,9 @@ class ClientFrameBlocks:
         self._gone: list[str] = []  # freed requests, whose held frames are dropped after the step
 
     def regroup(self, outputs: list[Any], requests: dict[str, Any]) -> None:
-        """In place, on one step's EngineCore outputs: hold back each request's frames until it
-        has `block` of them or finishes; then send them as one tensor."""
+        """In place, on all of one step's EngineCore outputs (every client's; called once a step):
+        hold back each request's frames until it has `block` of them or finishes; then send them
+        as one tensor."""
         for out in outputs:
             payload = out.multimodal_output
             if not payload or CODES_KEY not in payload:

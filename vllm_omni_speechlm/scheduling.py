@@ -229,7 +229,8 @@ class _PairedCFGMixin:
                 engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
                 if engine_outputs.finished_requests:
                     engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
-            self.frame_blocks.regroup(engine_outputs.outputs, self.requests)
+        # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
+        self.frame_blocks.regroup([o for e in outputs.values() for o in e.outputs], self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
