@@ -36,15 +36,16 @@ def summarize(path: str) -> dict:
     for line in open(path):
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
-        if len(frames) < 3 or ENGINE_CORE not in frames[1]:
+        core = next((i for i, f in enumerate(frames) if ENGINE_CORE in f), None)  # a process below the root
+        if core is None or core + 1 >= len(frames):
             continue
-        idle = frames[-1].startswith(IDLE)
-        if "MainThread" in frames[2]:
+        thread, idle = frames[core + 1], frames[-1].startswith(IDLE)
+        if "MainThread" in thread:
             main["samples"] += int(count)
             main["idle"] += idle * int(count)
             for name, needle in COMPONENTS.items():
                 main[name] += any(needle in f for f in frames) * int(count)
-        elif "process_output_sockets" in frames[2]:
+        elif "process_output_sockets" in thread:
             output["samples"] += int(count)
             output["busy"] += (not idle) * int(count)
     total = max(main.pop("samples"), 1)

@@ -1,12 +1,15 @@
 """Stage 0's frames reach the client in blocks, not one tensor per request per step.
 
-The worker hands each request one [1, S] frame per step (`codes.audio`). Every tensor the
+The worker fills one [N, S] host buffer of frames per step (`FrameRows`). Every tensor the
 EngineCore sends costs 15-30 us of Python on its output thread (vLLM's msgpack tensor encoding),
 and that thread holds the GIL the scheduling thread needs: on an H200, sending no frames at all
 decoded 5% more frames/s at 64 requests and 15% more at 512
-(benchmarks/results/stage0_throughput_h200_2026-11-22_v10_payloads.json). So the scheduler
-holds a request's frames back and sends them `block` steps at a time, concatenated, and the rest
-with the request's last output. The client concatenates what it gets into the same [L, S].
+(benchmarks/results/stage0_throughput_h200_2026-11-22_v10_payloads.json). Splitting the buffer
+into per-request tensors, wrapping each in a payload dict and holding it cost another ~3 ms per
+step at 512 requests. So stage 0's runner hands the scheduler the whole buffer (`StepOutputs`);
+the scheduler copies each request's row into that request's slot of a [slots, block, S] array
+in one vectorised write per step, and sends a request's frames as one tensor when it has
+`block` of them or finishes. The client concatenates what it gets into the same [L, S].
 
 A request whose client may end it on text it sees (stop strings: vLLM checks them in the client)
 gets its frame every step, so nothing is held when the client stops it.
@@ -14,39 +17,95 @@ gets its frame every step, so nothing is held when the client stops it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from vllm_omni_speechlm.models.speechlm import CODES_KEY
+from vllm_omni_speechlm.models.speechlm import CODES_KEY, FrameRows
 
 FRAME_BLOCK_STEPS = 16
 
 
-class ClientFrameBlocks:
-    def __init__(self, block: int = FRAME_BLOCK_STEPS):
-        self.block = block
-        self._held: dict[str, list[torch.Tensor]] = {}  # request id -> frames not sent yet
-        self._gone: list[str] = []  # freed requests, whose held frames are dropped after the step
+class StepOutputs(Sequence):
+    """A runner output's client multimodal outputs: per row, the payload of outputs other than
+    the frames (None: none), which vllm-omni's scheduler attaches to the row's request output;
+    and the step's frames whole, for `ClientFrameBlocks`."""
 
-    def regroup(self, outputs: list[Any], requests: dict[str, Any]) -> None:
+    def __init__(self, frames: FrameRows, rows: list[dict | None] | None):
+        self.frames, self._rows = frames, rows
+
+    def __len__(self) -> int:
+        return len(self.frames.samples)
+
+    def __getitem__(self, row: int) -> dict | None:
+        return None if self._rows is None else self._rows[row]
+
+
+class ClientFrameBlocks:
+    """Per request a slot of held frames, from its first frame until it is freed."""
+
+    def __init__(self, num_streams: int, block: int = FRAME_BLOCK_STEPS):
+        self.block = block
+        self._slot: dict[str, int] = {}  # request id -> its slot
+        self._free: list[int] = []
+        self._held = np.zeros((0, block, num_streams), dtype=np.int64)  # [slots, block, S]
+        self._count = np.zeros(0, dtype=np.int64)  # frames held per slot
+        self._every_step = np.zeros(0, dtype=bool)  # the slot's client may stop it (stop strings)
+        self._gone: list[str] = []  # freed in this step's update: closed after `regroup`
+
+    def regroup(self, outputs: list[Any], frames: StepOutputs | None, row_of: dict[str, int], requests: dict) -> None:
         """In place, on all of one step's EngineCore outputs (every client's; called once a step):
-        hold back each request's frames until it has `block` of them or finishes; then send them
-        as one tensor."""
-        for out in outputs:
-            payload = out.multimodal_output
-            if not payload or CODES_KEY not in payload:
-                continue
-            held = self._held.setdefault(out.request_id, [])
-            held.append(payload[CODES_KEY])
-            if out.finish_reason is None and len(held) < self.block and not _client_may_stop(requests.get(out.request_id)):
-                out.multimodal_output = {k: v for k, v in payload.items() if k != CODES_KEY} or None
-                continue
-            out.multimodal_output = payload | {CODES_KEY: held[0] if len(held) == 1 else torch.cat(held)}
-            del self._held[out.request_id]
-        for request_id in self._gone:  # flushed above, unless it had no output this step
-            self._held.pop(request_id, None)
+        hold each request's frame (row `row_of[request id]` of `frames`) until it has `block` of
+        them or finishes; then attach them to its output as one tensor."""
+        if frames is not None:
+            outs = [o for o in outputs if o.new_token_ids or o.finish_reason is not None]
+            if outs:
+                self._hold_and_send(outs, frames.frames.host.numpy(), row_of, requests)
+        for request_id in self._gone:
+            self._close(request_id)
         self._gone = []
+
+    def _hold_and_send(self, outs: list[Any], frames: np.ndarray, row_of: dict[str, int], requests: dict) -> None:
+        slots = np.array([self._slot.get(o.request_id, -1) for o in outs])
+        for j in np.flatnonzero(slots < 0).tolist():
+            slots[j] = self._open(outs[j].request_id, requests)
+        has_frame = np.array([bool(o.new_token_ids) for o in outs])  # a frame per new token
+        rows = np.array([row_of[o.request_id] for o, new in zip(outs, has_frame) if new], dtype=np.int64)
+        held = slots[has_frame]
+        self._held[held, self._count[held]] = frames[rows]
+        self._count[held] += 1
+        finished = np.array([o.finish_reason is not None for o in outs])
+        count = self._count[slots]
+        due = (count > 0) & ((count >= self.block) | self._every_step[slots] | finished)
+        for j in np.flatnonzero(due).tolist():
+            out, slot = outs[j], slots[j]
+            codes = torch.from_numpy(self._held[slot, : count[j]].copy())
+            out.multimodal_output = (out.multimodal_output or {}) | {CODES_KEY: codes}
+            self._count[slot] = 0
+
+    def _open(self, request_id: str, requests: dict) -> int:
+        if not self._free:
+            self._grow(max(2 * len(self._count), 64))
+        slot = self._slot[request_id] = self._free.pop()
+        self._every_step[slot] = _client_may_stop(requests.get(request_id))
+        return slot
+
+    def _grow(self, size: int) -> None:
+        old = len(self._count)
+        held = np.zeros((size, *self._held.shape[1:]), dtype=np.int64)
+        held[:old] = self._held
+        self._held = held
+        self._count = np.concatenate([self._count, np.zeros(size - old, dtype=np.int64)])
+        self._every_step = np.concatenate([self._every_step, np.zeros(size - old, dtype=bool)])
+        self._free += range(size - 1, old - 1, -1)
+
+    def _close(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._count[slot] = 0
+            self._free.append(slot)
 
     def forget(self, request_id: str, *, after_this_step: bool) -> None:
         """The request is freed. Freed while its step's outputs are built (it stopped: its last
@@ -54,10 +113,11 @@ class ClientFrameBlocks:
         if after_this_step:
             self._gone.append(request_id)
         else:
-            self._held.pop(request_id, None)
+            self._close(request_id)
 
     def __len__(self) -> int:
-        return len(self._held)
+        """Requests with a slot (freed requests have none)."""
+        return len(self._slot)
 
 
 def _client_may_stop(request: Any) -> bool:

@@ -9,12 +9,14 @@ AR runner does some of it once per request per step for every model:
   already there), clones it, and builds, flattens, filters and checks its payload dict twice.
 
 The speech LM reads a request's information only when it admits the request, ignores token spans
-(it has its own rows), and hands the runner views of a fresh host buffer that nothing else
-writes. So this runner passes the information as a lazy per-row view, takes eligibility from
-vLLM's own `discard_request_mask` (computed + scheduled < tokens), and puts each request's
-frame view in its payload as it is. When the payloads only go to the client (no async chunks,
-no connector accumulating full payloads, no prefix cache), it builds them itself, one dict per
-row, instead of vllm-omni's per-request builder. Deploy YAMLs select it per platform
+(it has its own rows), and hands the runner a fresh [N, S] host buffer of the step's frames that
+nothing else writes (`FrameRows`). So this runner passes the information as a lazy per-row view,
+takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled < tokens), and
+hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
+in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
+connector accumulating full payloads, no prefix cache), vllm-omni's per-request builder is
+skipped; otherwise it puts each request's frame view in its payload as it is.
+Deploy YAMLs select it per platform
 (`worker_cls`: `SpeechLMARWorker` on GPUs, `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
 """
 
@@ -27,6 +29,7 @@ from vllm_omni.data_entry_keys import flatten_payload
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 
+from vllm_omni_speechlm.client_frames import StepOutputs
 from vllm_omni_speechlm.models.speechlm import CODES_KEY, FRAME_ROWS_KWARG, FrameRows
 
 
@@ -73,9 +76,18 @@ class SpeechLMRunnerMixin:
 
     def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
         output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
-        if multimodal_outputs and self._client_only_payloads():
-            output.multimodal_outputs = _row_payloads(flatten_payload(multimodal_outputs), len(output.req_ids))
-        return output
+        flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
+        frames = flat.get(CODES_KEY)
+        if not isinstance(frames, FrameRows):  # prefix cache: per-row views, vllm-omni's way
+            return output
+        if len(frames.samples) != len(output.req_ids):
+            raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
+        if self._client_only_payloads():
+            rest = {k: v for k, v in flat.items() if k != CODES_KEY}
+            output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
+        elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
+            output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) for p in output.multimodal_outputs])
+        return output  # else the client gets no per-step payloads (a connector accumulates them)
 
     def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
         """vllm-omni's per-request builder (async chunks, connectors): the row's frame view as it
@@ -85,16 +97,20 @@ class SpeechLMRunnerMixin:
             return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
         rest = {k: v for k, v in mm_cpu.items() if k != CODES_KEY}
         payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs) if rest else {}
-        return payload | {CODES_KEY: rows.views[idx]}
+        return payload | {CODES_KEY: rows.row(idx)}
 
 
 def _row_payloads(outputs: dict[str, Any], num_rows: int) -> list[dict[str, Any]]:
     """{key: one value per row} -> one payload dict per row."""
-    per_row = {k: v.views if isinstance(v, FrameRows) else v for k, v in outputs.items()}
-    for key, values in per_row.items():
+    for key, values in outputs.items():
         if not isinstance(values, (list, tuple)) or len(values) != num_rows:
             raise TypeError(f"speech LM runner: multimodal output {key!r} must hold one tensor per row ({num_rows})")
-    return [dict(zip(per_row, row)) for row in zip(*per_row.values())]
+    return [dict(zip(outputs, row)) for row in zip(*outputs.values())]
+
+
+def _without_frames(payload: dict | None) -> dict | None:
+    rest = {k: v for k, v in payload.items() if k != CODES_KEY} if payload else None
+    return rest or None
 
 
 class SpeechLMARModelRunner(SpeechLMRunnerMixin, GPUARModelRunner):

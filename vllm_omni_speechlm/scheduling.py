@@ -37,7 +37,7 @@ from vllm_omni.request import OmniRequest
 
 from stage_input_processors.speech_codec import WindowGate, speechlm2codec_async_chunk
 from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_prompt, wants_guidance
-from vllm_omni_speechlm.client_frames import ClientFrameBlocks
+from vllm_omni_speechlm.client_frames import ClientFrameBlocks, StepOutputs
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
@@ -62,7 +62,7 @@ class _PairedCFGMixin:
         self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
         self._gate: WindowGate | None = None
         self._gate_ended: set[str] = set()  # external ids freed since the last step
-        self.frame_blocks = ClientFrameBlocks()
+        self.frame_blocks = ClientFrameBlocks(self.speech.num_streams)
         self._updating = False  # inside update_from_output
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:
@@ -218,6 +218,8 @@ class _PairedCFGMixin:
     # ---- results and finishing --------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         had_pairs = bool(self.partner)
+        frames = getattr(model_runner_output, "multimodal_outputs", None)
+        frames = frames if isinstance(frames, StepOutputs) else None  # else: per-request payloads
         self._updating = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -230,7 +232,8 @@ class _PairedCFGMixin:
                 if engine_outputs.finished_requests:
                     engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
         # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
-        self.frame_blocks.regroup([o for e in outputs.values() for o in e.outputs], self.requests)
+        step = [o for e in outputs.values() for o in e.outputs]
+        self.frame_blocks.regroup(step, frames, model_runner_output.req_id_to_index, self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:

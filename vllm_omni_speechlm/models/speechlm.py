@@ -8,9 +8,9 @@ streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR run
                                fixed device buffer (batched; no per-request runner hooks)
     forward                    embed(stream 0) + that buffer, then the backbone (vLLM layers,
                                PagedAttention, CUDA graphs)
-    make_omni_output           admit new requests; hand the runner per-request views of this
-                               step's [N, S] host frame buffer (filled below, copied once in sample;
-                               stage 0's own runner, runner.py, takes them without copying)
+    make_omni_output           admit new requests; hand the runner this step's [N, S] host frame
+                               buffer (filled below, copied once in sample; stage 0's own runner,
+                               runner.py, passes it on whole to the scheduler)
     compute_logits             raw stream-0 logits -> row kinds (phase machine / argmax rule);
                                streams 1..S-1 projected on their own vocabulary slices in one
                                batched matmul and sampled; stream-0 masks, top-k, temperature
@@ -84,10 +84,16 @@ FRAME_ROWS_KWARG = "frame_rows"
 
 @dataclass(frozen=True)
 class FrameRows:
-    """One [1, S] host view per row of this step's frames ([0, S] for a row that does not sample).
-    Not a list: vllm-omni's generic payload code would copy every view twice per step."""
+    """This step's frames: the [N, S] host buffer (row i: request i's frame, if `samples[i]`).
+    One object, not per-row tensors: vllm-omni's generic payload code would copy every row twice
+    per step, and the runner hands the whole buffer to the scheduler (`runner.py`)."""
 
-    views: list[torch.Tensor]
+    host: torch.Tensor
+    samples: list[bool]
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row i as a [1, S] view ([0, S] when it does not sample)."""
+        return self.host[i : i + 1 if self.samples[i] else i]
 
 
 def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -270,17 +276,15 @@ class SpeechLMForCausalLM(nn.Module):
                 entry.prompt_len = step.prompt_len[i] = int(ends[i])
         step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
-        # to the host once, in `sample`; the runner gets per-request views of the host copy
-        # (one tiny synchronous copy per request per step halved throughput at 512 requests),
-        # which `runner.py` passes on as they are. Fresh buffers per step: the runner may
-        # serialise them after the next step began.
+        # to the host once, in `sample` (one tiny synchronous copy per request per step halved
+        # throughput at 512 requests); `runner.py` passes the host copy on whole, and vllm-omni's
+        # generic paths get per-row views of it. Fresh buffers per step: they are read after the
+        # next step began.
         shape, device = (len(step.entries), self.speech.num_streams), model_outputs.device
         self._frames = torch.zeros(shape, dtype=torch.long, device=device)
         self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        views = list(host.split(1))  # one call for all views: this runs per step at batch size
-        for i in (i for i, ok in enumerate(step.samples) if not ok):
-            views[i] = host[i:i]
-        codes = FrameRows(views) if kwargs.get(FRAME_ROWS_KWARG) else views
+        frames = FrameRows(host, step.samples)
+        codes = frames if kwargs.get(FRAME_ROWS_KWARG) else [frames.row(i) for i in range(len(step.samples))]
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": codes}})
 
     # ---- backbone -------------------------------------------------------------------------
