@@ -185,10 +185,19 @@ def main() -> None:
     write_geometry_config(text_dir, geometry, speech=False)
 
     runs = {"text": (bench_text_lm, text_dir), "omni-text": (bench_omni_text_lm, text_dir), "speech": (bench_speech_lm, speech_dir)}
-    measured = {name: runs[name][0](runs[name][1], args) for name in args.runs}
-    text, speech = measured.get("text"), measured.get("speech")
+    measured: dict = {}
+    for name in args.runs:  # the report is rewritten after each engine: a cut run keeps what it measured
+        measured[name] = runs[name][0](runs[name][1], args)
+        report = _report(args, geometry, measured)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}), flush=True)
+
+
+def _report(args, geometry, measured: dict) -> dict:
     import vllm
 
+    text, speech = measured.get("text"), measured.get("speech")
     report = {
         "benchmark": "stage0_throughput",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -203,9 +212,7 @@ def main() -> None:
         report["ratio_frames_per_text_tok"] = {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency}
     if speech and "cfg_pairs" in speech:  # pair decode rows/s vs plain frames/s at the same row count
         report["ratio_cfg_rows_per_plain_frames"] = speech["cfg_pairs"]["decode_rows_per_s"] / speech[max(args.concurrency)]["frames_per_s"]
-    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    return report
 
 
 if __name__ == "__main__":
