@@ -55,14 +55,15 @@ class ClientFrameBlocks:
         self._every_step = np.zeros(0, dtype=bool)  # the slot's client may stop it (stop strings)
         self._gone: list[str] = []  # freed in this step's update: closed after `regroup`
 
-    def regroup(self, outputs: list[Any], frames: StepOutputs | None, row_of: dict[str, int], requests: dict) -> None:
+    def regroup(self, outputs: list[Any], runner_outputs: StepOutputs | None, row_of: dict[str, int], requests: dict) -> None:
         """In place, on all of one step's EngineCore outputs (every client's; called once a step):
-        hold each request's frame (row `row_of[request id]` of `frames`) until it has `block` of
-        them or finishes; then attach them to its output as one tensor."""
-        if frames is not None:
+        hold each request's frame (its row, `row_of[request id]`, of the runner's step buffer)
+        until it has `block` of them or finishes; then attach them to its output as one tensor.
+        Without a step buffer (vllm-omni's prefix-cache path) the outputs carry their own frames."""
+        if runner_outputs is not None:
             outs = [o for o in outputs if o.new_token_ids or o.finish_reason is not None]
             if outs:
-                self._hold_and_send(outs, frames.frames.host.numpy(), row_of, requests)
+                self._hold_and_send(outs, runner_outputs.frames.host.numpy(), row_of, requests)
         for request_id in self._gone:
             self._close(request_id)
         self._gone = []

@@ -15,9 +15,9 @@ takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled <
 hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
 in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
 connector accumulating full payloads, no prefix cache), vllm-omni's per-request builder is
-skipped; otherwise it puts each request's frame view in its payload as it is.
-Deploy YAMLs select it per platform
-(`worker_cls`: `SpeechLMARWorker` on GPUs, `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
+skipped; otherwise it puts each request's frame view in its payload as it is. Deploy YAMLs
+select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
+`platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
 """
 
 from __future__ import annotations

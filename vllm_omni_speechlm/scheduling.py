@@ -218,8 +218,8 @@ class _PairedCFGMixin:
     # ---- results and finishing --------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         had_pairs = bool(self.partner)
-        frames = getattr(model_runner_output, "multimodal_outputs", None)
-        frames = frames if isinstance(frames, StepOutputs) else None  # else: per-request payloads
+        runner_outputs = getattr(model_runner_output, "multimodal_outputs", None)
+        runner_outputs = runner_outputs if isinstance(runner_outputs, StepOutputs) else None  # None: per-request payloads
         self._updating = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -232,8 +232,8 @@ class _PairedCFGMixin:
                 if engine_outputs.finished_requests:
                     engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
         # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
-        step = [o for e in outputs.values() for o in e.outputs]
-        self.frame_blocks.regroup(step, frames, model_runner_output.req_id_to_index, self.requests)
+        step_outputs = [o for e in outputs.values() for o in e.outputs]
+        self.frame_blocks.regroup(step_outputs, runner_outputs, model_runner_output.req_id_to_index, self.requests)
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
