@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
 import re
-import threading
+import struct
 from pathlib import Path
 
 import pytest
 
-from conftest import new_shm, shm_names
+from conftest import SHM_DIR, new_shm, shm_names
 from conftest import CPU_PLATFORM_PROMPTS as PROMPTS
 
 MAX_TOKENS = 8
@@ -39,23 +41,39 @@ stages:
 """
 
 
-class _ShmWatcher(threading.Thread):
-    """Records every /dev/shm name seen while running (payload keys: {req}_{stage}_{chunk})."""
+class _ShmCreations:
+    """Names created in /dev/shm while open, from inotify: the kernel queues every creation, so
+    a segment that lives for a millisecond is still recorded (polling the directory missed them)."""
 
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.seen: set[str] = set()
-        self._stop_event = threading.Event()
+    _IN_CREATE, _IN_MOVED_TO, _IN_Q_OVERFLOW = 0x100, 0x80, 0x4000
+    _HEADER = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then name
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.seen |= shm_names()
-            self._stop_event.wait(0.005)
+    def __enter__(self) -> "_ShmCreations":
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK)
+        if self._fd < 0 or libc.inotify_add_watch(self._fd, SHM_DIR.encode(), self._IN_CREATE | self._IN_MOVED_TO) < 0:
+            raise OSError(ctypes.get_errno(), "inotify on " + SHM_DIR)
+        self.names: set[str] = set()
+        return self
 
-    def stop(self) -> set[str]:
-        self._stop_event.set()
-        self.join()
-        return self.seen
+    def __exit__(self, *exc) -> None:
+        try:
+            while True:
+                try:
+                    self._parse(os.read(self._fd, 1 << 16))
+                except BlockingIOError:
+                    return
+        finally:
+            os.close(self._fd)
+
+    def _parse(self, buf: bytes) -> None:
+        offset = 0
+        while offset < len(buf):
+            _, mask, _, size = self._HEADER.unpack_from(buf, offset)
+            assert not mask & self._IN_Q_OVERFLOW, "inotify queue overflowed: creations were lost"
+            offset += self._HEADER.size
+            self.names.add(buf[offset : offset + size].rstrip(b"\0").decode())
+            offset += size
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +90,9 @@ def echo_run(cpu_platform_tiny_qwen3, cpu_platform_plugins_loaded, tmp_path_fact
         assert omni.async_chunk
         ar = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         gen = SamplingParams(temperature=0.0, max_tokens=1)
-        watcher = _ShmWatcher()
-        watcher.start()
-        try:
+        with _ShmCreations() as created:
             outs = omni.generate([{"prompt_token_ids": p} for p in PROMPTS], [ar, gen])
-        finally:
-            seen = watcher.stop()
+        seen = created.names
     finally:
         omni.close()
         del omni

@@ -83,10 +83,10 @@ class SpeechLMRunnerMixin:
         if len(frames.samples) != len(output.req_ids):
             raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
         if self._client_only_payloads():
-            rest = {k: v for k, v in flat.items() if k != CODES_KEY}
+            rest = _without_frames(flat)
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
         elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
-            output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) for p in output.multimodal_outputs])
+            output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) or None for p in output.multimodal_outputs])
         return output  # else the client gets no per-step payloads (a connector accumulates them)
 
     def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
@@ -95,7 +95,7 @@ class SpeechLMRunnerMixin:
         rows = mm_cpu.get(CODES_KEY) if mm_cpu else None
         if not isinstance(rows, FrameRows):
             return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
-        rest = {k: v for k, v in mm_cpu.items() if k != CODES_KEY}
+        rest = _without_frames(mm_cpu)
         payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs) if rest else {}
         return payload | {CODES_KEY: rows.row(idx)}
 
@@ -108,9 +108,8 @@ def _row_payloads(outputs: dict[str, Any], num_rows: int) -> list[dict[str, Any]
     return [dict(zip(outputs, row)) for row in zip(*outputs.values())]
 
 
-def _without_frames(payload: dict | None) -> dict | None:
-    rest = {k: v for k, v in payload.items() if k != CODES_KEY} if payload else None
-    return rest or None
+def _without_frames(payload: dict | None) -> dict:
+    return {k: v for k, v in (payload or {}).items() if k != CODES_KEY}
 
 
 class SpeechLMARModelRunner(SpeechLMRunnerMixin, GPUARModelRunner):

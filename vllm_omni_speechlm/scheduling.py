@@ -226,15 +226,19 @@ class _PairedCFGMixin:
         finally:
             self._updating = False
         self._finish_orphans()
-        for engine_outputs in outputs.values():
-            if had_pairs:
-                engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
-                if engine_outputs.finished_requests:
-                    engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
+        if had_pairs:
+            self._drop_companion_outputs(outputs)
         # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
         step_outputs = [o for e in outputs.values() for o in e.outputs]
         self.frame_blocks.regroup(step_outputs, runner_outputs, model_runner_output.req_id_to_index, self.requests)
         return outputs
+
+    @staticmethod
+    def _drop_companion_outputs(outputs: dict) -> None:
+        for engine_outputs in outputs.values():
+            engine_outputs.outputs = [o for o in engine_outputs.outputs if not is_companion(o.request_id)]
+            if engine_outputs.finished_requests:
+                engine_outputs.finished_requests = {r for r in engine_outputs.finished_requests if not is_companion(r)}
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         if request_ids is not None:
