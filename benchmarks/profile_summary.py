@@ -31,8 +31,15 @@ COMPONENTS = {
 IDLE = ("Condition.wait (", "EpollSelector.select (", "Poller.poll (", "Event.synchronize (")  # waiting: I/O, the GPU
 
 
-def summarize(path: str) -> dict:
+def _function(frame: str) -> str:
+    """'name (file.py:line)' -> 'name (file.py)': one entry per function, not per line."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rpartition(':')[0] or where.rstrip(')')})"
+
+
+def summarize(path: str, top: int = 40) -> dict:
     main, output = collections.Counter(), collections.Counter()
+    inclusive, own = collections.Counter(), collections.Counter()  # busy main-thread samples per function
     for line in open(path):
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
@@ -45,6 +52,10 @@ def summarize(path: str) -> dict:
             main["idle"] += idle * int(count)
             for name, needle in COMPONENTS.items():
                 main[name] += any(needle in f for f in frames) * int(count)
+            if not idle:
+                for function in {_function(f) for f in frames[core + 2 :]}:
+                    inclusive[function] += int(count)
+                own[_function(frames[-1])] += int(count)
         elif "process_output_sockets" in thread:
             output["samples"] += int(count)
             output["busy"] += (not idle) * int(count)
@@ -54,6 +65,9 @@ def summarize(path: str) -> dict:
         "main_thread_samples": total,
         "main_thread_share": shares,
         "output_thread_busy_share": round(output["busy"] / max(output["samples"], 1), 3),
+        # Where the busy main thread goes beyond the components above: shares of all its samples.
+        "top_inclusive": {f: round(n / total, 3) for f, n in inclusive.most_common(top)},
+        "top_self": {f: round(n / total, 3) for f, n in own.most_common(top)},
     }
 
 
