@@ -17,6 +17,7 @@ With async_chunk streaming, a request's steps reach vllm-omni's chunk adapter on
 complete a codec window (`WindowGate`, stage_input_processors/speech_codec.py): the adapter
 copies the request and wakes its save thread on every call it gets. The client gets a request's
 frames (`codes.audio`) in blocks of steps (`ClientFrameBlocks`, client_frames.py).
+Decode rows that only append a token take a short update path (`SteadyRowsMixin`, steady_rows.py).
 
 Both members prefill completely in one step (chunked prefill is off) and then decode one token
 per step, so they always sample the same output position in the same step. The all-pad
@@ -40,6 +41,7 @@ from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_pro
 from vllm_omni_speechlm.client_frames import ClientFrameBlocks, StepOutputs
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
+from vllm_omni_speechlm.steady_rows import SteadyRowsMixin
 
 logger = init_logger(__name__)
 
@@ -265,7 +267,7 @@ class _PairedCFGMixin:
             super().finish_requests(alive, RequestStatus.FINISHED_ABORTED)
 
 
-class PairedCFGScheduler(_PairedCFGMixin, OmniARScheduler):
+class PairedCFGScheduler(_PairedCFGMixin, SteadyRowsMixin, OmniARScheduler):
     """Synchronous scheduling variant."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -276,5 +278,5 @@ class PairedCFGScheduler(_PairedCFGMixin, OmniARScheduler):
         return super().__new__(cls)
 
 
-class PairedCFGAsyncScheduler(_PairedCFGMixin, OmniARAsyncScheduler):
+class PairedCFGAsyncScheduler(_PairedCFGMixin, SteadyRowsMixin, OmniARAsyncScheduler):
     """Asynchronous scheduling variant (vLLM's default on GPU)."""

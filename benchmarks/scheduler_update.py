@@ -1,0 +1,141 @@
+"""Host time of stage 0's scheduler per decode step: vllm-omni's AR scheduler against the same
+scheduler with the short path for steady decode rows (vllm_omni_speechlm/steady_rows.py).
+
+    python benchmarks/scheduler_update.py --out results.json [--concurrency 64 512]
+
+No model and no GPU: real schedulers (async variant, as on GPUs) over a tiny checkpoint's config
+are driven like vLLM's EngineCore with one step in flight, and fed runner outputs of one sampled
+token per request per step; every request generates --gen-len tokens (eos ignored). Reported per
+concurrency: mean microseconds per step of `schedule()` and of `update_from_output()` in the
+steady decode window (prefill and tail steps excluded). Prints and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.plugins import load_general_plugins
+from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
+from vllm_omni.outputs import OmniModelRunnerOutput
+from vllm_omni.request import OmniRequest
+
+from vllm_omni_speechlm.make_tiny import make_tiny
+from vllm_omni_speechlm.steady_rows import SteadyRowsMixin
+
+BLOCK = 16
+
+
+class SteadyAsyncScheduler(SteadyRowsMixin, OmniARAsyncScheduler):
+    pass
+
+
+def _vllm_config(model_dir: str, args) -> VllmConfig:
+    max_len = args.prompt_len + args.gen_len + 16
+    blocks = max(args.concurrency) * (max_len // BLOCK + 2)
+    model = ModelConfig(model=model_dir, dtype="float32", max_model_len=max_len, skip_tokenizer_init=True)
+    scheduler = SchedulerConfig(
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=max(args.concurrency) * max_len,
+        max_model_len=max_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=False,
+        async_scheduling=True,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+    cache.num_gpu_blocks = blocks
+    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache)
+
+
+def _scheduler(cls, vllm_config: VllmConfig):
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=vllm_config.cache_config.num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
+    scheduler = _scheduler(cls, vllm_config)
+    for i in range(n):
+        params = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
+        prompt = [(i + j) % 100 for j in range(args.prompt_len)]
+        scheduler.add_request(OmniRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params, pooling_params=None, arrival_time=0.0))
+    schedule_us, update_us, in_flight = [], [], []
+    while scheduler.has_unfinished_requests() or in_flight:
+        if scheduler.has_unfinished_requests():
+            start = time.perf_counter()
+            in_flight.append(scheduler.schedule())
+            schedule_us.append((time.perf_counter() - start) * 1e6)
+        if len(in_flight) == 2 or not scheduler.has_unfinished_requests():
+            output = in_flight.pop(0)
+            ids = list(output.num_scheduled_tokens)
+            runner_output = OmniModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[101] for _ in ids],
+                multimodal_outputs=[None] * len(ids),
+            )
+            start = time.perf_counter()
+            scheduler.update_from_output(output, runner_output)
+            update_us.append((time.perf_counter() - start) * 1e6)
+    window = slice(2, args.gen_len - 2)  # the decode steps with every request running
+    result = {
+        "schedule_us": statistics.fmean(schedule_us[window]),
+        "update_from_output_us": statistics.fmean(update_us[window]),
+        "steps": len(update_us),
+    }
+    print(f"{cls.__name__:24s} concurrency {n:4d}: schedule {result['schedule_us']:8.0f} us, update_from_output {result['update_from_output_us']:8.0f} us per step", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-len", type=int, default=128)
+    args = parser.parse_args()
+    load_general_plugins()
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_tiny("bagpiper", model_dir, seed=0)
+        vllm_config = _vllm_config(model_dir, args)
+        results = {}
+        for n in args.concurrency:
+            plain = _run(OmniARAsyncScheduler, vllm_config, n, args)
+            steady = _run(SteadyAsyncScheduler, vllm_config, n, args)
+            saved = plain["update_from_output_us"] - steady["update_from_output_us"]
+            print(f"concurrency {n:4d}: steady rows save {saved:.0f} us of update_from_output per step", flush=True)
+            results[str(n)] = {"vllm_omni": plain, "steady_rows": steady, "update_saved_us": saved}
+    report = {
+        "benchmark": "scheduler_update",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "settings": vars(args),
+        "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
