@@ -8,6 +8,11 @@ component's share is the fraction of the engine core's main-thread samples whose
 it (inclusive, so nested components overlap); `idle` is the main thread waiting (for work, I/O
 or the GPU). The output thread that serialises each step's results for the client gets its own
 busy share.
+
+With `--gil RATE SECONDS` the profile is py-spy's `--gil` kind (a sample only from the thread
+holding the GIL, if one does): the summary is each engine-core thread's share of the time it held
+the GIL and its top functions. Threads of one process run Python one at a time, so shares that add
+up to ~1 mean the engine core is bound by the GIL, not by any single thread.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import argparse
 import collections
 import json
 
-ENGINE_CORE = "EngineCoreProc"  # the engine core process's title (VLLM::StageEngineCoreProc...)
+ENGINE_CORE = "EngineCore"  # in the engine core process's title (VLLM::StageEngineCoreProc, VLLM::EngineCore_DP0)
 COMPONENTS = {
     "scheduler.schedule": "Scheduler.schedule (",
     "scheduler.update_from_output": "update_from_output (",
@@ -37,28 +42,34 @@ def _function(frame: str) -> str:
     return f"{name} ({where.rpartition(':')[0] or where.rstrip(')')})"
 
 
-def summarize(path: str, top: int = 40) -> dict:
-    main, output = collections.Counter(), collections.Counter()
-    inclusive, own = collections.Counter(), collections.Counter()  # busy main-thread samples per function
+def _engine_core_stacks(path: str):
+    """The engine core's stacks in a py-spy raw profile: (frames, index of its process frame (a
+    process below the root; its thread follows), sample count)."""
     for line in open(path):
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
-        core = next((i for i, f in enumerate(frames) if ENGINE_CORE in f), None)  # a process below the root
-        if core is None or core + 1 >= len(frames):
-            continue
+        core = next((i for i, f in enumerate(frames) if f.startswith("process ") and ENGINE_CORE in f), None)
+        if core is not None and core + 1 < len(frames):
+            yield frames, core, int(count)
+
+
+def summarize(path: str, top: int = 40) -> dict:
+    main, output = collections.Counter(), collections.Counter()
+    inclusive, own = collections.Counter(), collections.Counter()  # busy main-thread samples per function
+    for frames, core, count in _engine_core_stacks(path):
         thread, idle = frames[core + 1], frames[-1].startswith(IDLE)
         if "MainThread" in thread:
-            main["samples"] += int(count)
-            main["idle"] += idle * int(count)
+            main["samples"] += count
+            main["idle"] += idle * count
             for name, needle in COMPONENTS.items():
-                main[name] += any(needle in f for f in frames) * int(count)
+                main[name] += any(needle in f for f in frames) * count
             if not idle:
                 for function in {_function(f) for f in frames[core + 2 :]}:
-                    inclusive[function] += int(count)
-                own[_function(frames[-1])] += int(count)
+                    inclusive[function] += count
+                own[_function(frames[-1])] += count
         elif "process_output_sockets" in thread:
-            output["samples"] += int(count)
-            output["busy"] += (not idle) * int(count)
+            output["samples"] += count
+            output["busy"] += (not idle) * count
     total = max(main.pop("samples"), 1)
     shares = {name: round(main[name] / total, 3) for name in ["idle", *COMPONENTS]}
     return {
@@ -71,13 +82,32 @@ def summarize(path: str, top: int = 40) -> dict:
     }
 
 
+def gil_shares(path: str, rate: float, seconds: float, top: int = 15) -> dict:
+    """Per engine-core thread: the share of the window it held the GIL, and its top functions."""
+    held: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    processes = set()
+    for frames, core, count in _engine_core_stacks(path):
+        processes.add(frames[core][:80])
+        thread = frames[core + 1].rpartition(": ")[2].strip('"') or frames[core + 1]
+        held[thread]["<all>"] += count
+        held[thread][_function(frames[-1])] += count
+    window = rate * seconds
+    threads = {
+        t: {"gil_share": round(c.pop("<all>") / window, 3), "top_self": {f: round(n / window, 3) for f, n in c.most_common(top)}}
+        for t, c in held.items()
+    }
+    return {"processes": sorted(processes), "gil_held_share": round(sum(t["gil_share"] for t in threads.values()), 3), "threads": threads}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", help="py-spy raw (collapsed) output")
     ap.add_argument("--out")
     ap.add_argument("--context", help="free text saved with the summary (device, run, commit)")
+    ap.add_argument("--gil", nargs=2, type=float, metavar=("RATE", "SECONDS"), help="a py-spy --gil profile")
     args = ap.parse_args()
-    summary = summarize(args.profile) | ({"context": args.context} if args.context else {})
+    summary = gil_shares(args.profile, *args.gil) if args.gil else summarize(args.profile)
+    summary |= {"context": args.context} if args.context else {}
     print(json.dumps(summary, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -1,13 +1,14 @@
 """Stage-0 decode throughput: Bagpiper (8 streams) on vLLM-Omni vs the plain Qwen3 text LM of the
 same backbone on vLLM, dummy weights, fixed-length generation.
 
-    python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512] [--cfg]
+    python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512] [--gen-len 256 640] [--cfg]
 
 Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step) and
 ignore eos, so every request generates exactly --gen-len steps; the baseline generates
---gen-len text tokens per request. Reported: frames/s (Bagpiper) or tok/s (text LM), the
-median of --repeats timed runs (each run's rate is saved too), and the ratio frames/s / tok/s
-per concurrency. With --cfg, max(concurrency)/2 guided requests
+--gen-len text tokens per request. Several --gen-len values are measured on the same engines
+(a step's GPU work grows with the context, its host work does not). Reported per generation
+length and concurrency: frames/s (Bagpiper) or tok/s (text LM), the median of --repeats timed
+runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg, max(concurrency)/2 guided requests
 (cfg_scale 3) run on the same engine: their decode rows/s (main + companion) against the plain run's
 frames/s at the same row count is the cost of guidance. Prints and saves JSON.
 """
@@ -44,38 +45,46 @@ def _median_run(args, run) -> dict:
     return {**median, "runs_per_s": [r["per_s"] for r in runs]}
 
 
-def _text_result(label: str, n: int, r: dict) -> dict:
-    print(f"{label} concurrency {n:4d}: {r['per_s']:9.1f} tok/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
-    return {"seconds": r["seconds"], "tokens": r["count"], "tok_per_s": r["per_s"], "runs_tok_per_s": r["runs_per_s"]}
+def _text_runs(label: str, args, generate) -> dict[int, dict[int, dict]]:
+    """Per generation length and concurrency, the median run of `generate(prompts, params)` (->
+    outputs with one completion each)."""
+    generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], _text_params(16))
+    results: dict[int, dict[int, dict]] = {}
+    for gen in args.gen_len:
+        for n in args.concurrency:
+            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
+            r = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in generate(prompts, _text_params(gen))))
+            print(f"{label} gen {gen:4d} concurrency {n:4d}: {r['per_s']:9.1f} tok/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
+            results.setdefault(gen, {})[n] = {"seconds": r["seconds"], "tokens": r["count"], "tok_per_s": r["per_s"], "runs_tok_per_s": r["runs_per_s"]}
+    return results
+
+
+def _text_params(gen: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.8, max_tokens=gen, ignore_eos=True, detokenize=False)
 
 
 def _engine_settings(args) -> dict:
     return dict(
         load_format="dummy",
         max_num_seqs=max(args.concurrency),
-        max_model_len=args.prompt_len + args.gen_len + 16,
+        max_model_len=args.prompt_len + max(args.gen_len) + 16,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 
-def bench_text_lm(model_dir: str, args) -> dict[int, dict]:
-    from vllm import LLM, SamplingParams
+def bench_text_lm(model_dir: str, args) -> dict[int, dict[int, dict]]:
+    from vllm import LLM
 
     llm = LLM(model=model_dir, **_engine_settings(args))
-    params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
-    results = {}
     try:
-        llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], params)
-        for n in args.concurrency:
-            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
-            run = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)))
-            results[n] = _text_result("text LM  ", n, run)
+        return _text_runs("text LM  ", args, lambda prompts, params: llm.generate(prompts, params, use_tqdm=False))
     finally:
         llm.llm_engine.engine_core.shutdown()
         llm = None  # frees the engine before the next run
         gc.collect()
         torch.cuda.empty_cache()
-    return results
 
 
 # Plain Qwen3 as a vllm-omni AR stage: separates vllm-omni's runner cost from the speech LM's.
@@ -89,8 +98,7 @@ stages:
 """
 
 
-def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict]:
-    from vllm import SamplingParams
+def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict[int, dict]]:
     from vllm_omni import Omni
 
     from vllm_omni_speechlm import plugin
@@ -101,17 +109,10 @@ def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict]:
     with open(deploy, "w") as f:
         f.write(OMNI_TEXT_DEPLOY)
     omni = Omni(model=model_dir, deploy_config=deploy, **_engine_settings(args))
-    params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
-    results = {}
     try:
-        omni.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], [params], use_tqdm=False)
-        for n in args.concurrency:
-            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
-            run = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in omni.generate(prompts, [params], use_tqdm=False)))
-            results[n] = _text_result("omni text", n, run)
+        return _text_runs("omni text", args, lambda prompts, params: omni.generate(prompts, [params], use_tqdm=False))
     finally:
         omni.close()
-    return results
 
 
 def bench_speech_lm(model_dir: str, args) -> dict:
@@ -127,35 +128,35 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     plugin.register()
     worker = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **worker)
-    params = SamplingParams(temperature=0.8, top_k=0, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
-
     def requests(n: int, seed: int, cfg_scale: float = 1.0) -> list[dict]:
         speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
         return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
 
-    def frames(reqs: list[dict]) -> int:
+    def frames(reqs: list[dict], gen: int) -> int:
+        params = SamplingParams(temperature=0.8, top_k=0, max_tokens=gen, ignore_eos=True, detokenize=False)
         outs = omni.generate(reqs, [params], use_tqdm=False)
         assert len(outs) == len(reqs)  # companions never reach the client
         for o in outs:
             rows = o.multimodal_output["codes"]["audio"]
-            assert rows.shape == (args.gen_len, 8), rows.shape  # every step one 8-stream frame
-        return len(outs) * args.gen_len
+            assert rows.shape == (gen, 8), rows.shape  # every step one 8-stream frame
+        return len(outs) * gen
 
-    def timed(reqs: list[dict], label: str, rows_per_request: int) -> dict:
-        r = _median_run(args, lambda: frames(reqs))
+    def timed(reqs: list[dict], gen: int, label: str, rows_per_request: int) -> dict:
+        r = _median_run(args, lambda: frames(reqs, gen))
         result = {"requests": len(reqs), "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
         result |= {"runs_frames_per_s": r["runs_per_s"], "decode_rows_per_s": rows_per_request * r["per_s"]}
-        print(f"speech LM {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
+        print(f"speech LM gen {gen:4d} {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
         return result
 
     results: dict = {}
     try:
-        omni.generate(requests(8, 0) + requests(4, 1, cfg_scale=3.0), [params], use_tqdm=False)
-        for n in args.concurrency:
-            results[n] = timed(requests(n, n), f"concurrency {n:4d}", 1)
-        if args.cfg:
-            pairs = max(args.concurrency) // 2
-            results["cfg_pairs"] = timed(requests(pairs, 7, cfg_scale=3.0), f"{pairs} CFG pairs", 2)
+        frames(requests(8, 0) + requests(4, 1, cfg_scale=3.0), 16)
+        for gen in args.gen_len:
+            for n in args.concurrency:
+                results.setdefault(gen, {})[n] = timed(requests(n, n), gen, f"concurrency {n:4d}", 1)
+            if args.cfg:
+                pairs = max(args.concurrency) // 2
+                results[gen]["cfg_pairs"] = timed(requests(pairs, 7, cfg_scale=3.0), gen, f"{pairs} CFG pairs", 2)
     finally:
         omni.close()
     return results
@@ -166,7 +167,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, nargs="+", default=[256], help="tokens (frames) per request; several: a sweep")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (the median is reported)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--tiny", action="store_true", help="tiny backbone (a CPU smoke run of the script)")
@@ -209,9 +210,13 @@ def _report(args, geometry, measured: dict) -> dict:
         "speech_lm": speech,
     }
     if text and speech:
-        report["ratio_frames_per_text_tok"] = {n: speech[n]["frames_per_s"] / text[n]["tok_per_s"] for n in args.concurrency}
-    if speech and "cfg_pairs" in speech:  # pair decode rows/s vs plain frames/s at the same row count
-        report["ratio_cfg_rows_per_plain_frames"] = speech["cfg_pairs"]["decode_rows_per_s"] / speech[max(args.concurrency)]["frames_per_s"]
+        report["ratio_frames_per_text_tok"] = {
+            gen: {n: speech[gen][n]["frames_per_s"] / text[gen][n]["tok_per_s"] for n in args.concurrency} for gen in args.gen_len
+        }
+    if speech and args.cfg:  # pair decode rows/s vs plain frames/s at the same row count
+        report["ratio_cfg_rows_per_plain_frames"] = {
+            gen: speech[gen]["cfg_pairs"]["decode_rows_per_s"] / speech[gen][max(args.concurrency)]["frames_per_s"] for gen in args.gen_len
+        }
     return report
 
 
