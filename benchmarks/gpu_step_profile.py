@@ -153,8 +153,8 @@ def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
 def _idle_gaps(gpu: list[dict], launches: dict, phase_of, events: list[dict], min_us: float = 5.0) -> dict:
     """The GPU's idle intervals (>= min_us) by cause. A gap ends when its next kernel starts; if
     that kernel was launched inside the gap the GPU waited for the host ("starved: <phase of the
-    launch>"), otherwise for a dependency ("queued"). `waiting_host` names the runtime call the
-    host was in at the gap's start (e.g. an event synchronize), if any."""
+    launch>"), otherwise for a dependency ("queued"); "host in" names the runtime call the host
+    was in at the gap's start (e.g. an event synchronize), if any."""
     spans = sorted((e["ts"], e["ts"] + e["dur"], e) for e in gpu)
     runtime = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "cuda_runtime")
     runtime_starts = [r[0] for r in runtime]
@@ -165,7 +165,8 @@ def _idle_gaps(gpu: list[dict], launches: dict, phase_of, events: list[dict], mi
             launch = launches.get(e.get("args", {}).get("correlation"))
             starved = launch is not None and launch["ts"] > end
             cause = f"starved: {phase_of(launch['ts'])}" if starved else "queued"
-            waiting = [n for s, f, n in runtime[max(0, bisect.bisect_right(runtime_starts, end) - 64) : bisect.bisect_right(runtime_starts, end)] if f > end]
+            i = bisect.bisect_right(runtime_starts, end)
+            waiting = [n for _, f, n in runtime[max(0, i - 64) : i] if f > end]
             key = f"{cause} | next {e['name'][:60]} | host in {waiting[-1] if waiting else '-'}"
             g = gaps.setdefault(key, {"ms": 0.0, "count": 0})
             g["ms"] += (a - end) / 1e3

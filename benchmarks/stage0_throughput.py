@@ -8,9 +8,10 @@ ignore eos, so every request generates exactly --gen-len steps; the baseline gen
 --gen-len text tokens per request. Several --gen-len values are measured on the same engines
 (a step's GPU work grows with the context, its host work does not). Reported per generation
 length and concurrency: frames/s (Bagpiper) or tok/s (text LM), the median of --repeats timed
-runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg, max(concurrency)/2 guided requests
-(cfg_scale 3) run on the same engine: their decode rows/s (main + companion) against the plain run's
-frames/s at the same row count is the cost of guidance. Prints and saves JSON.
+runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg, per generation
+length, max(concurrency)/2 guided requests (cfg_scale 3) run on the same engine: their decode
+rows/s (main + companion) against the plain run's frames/s at the same row count is the cost of
+guidance. Prints and saves JSON.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     plugin.register()
     worker = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **worker)
+
     def requests(n: int, seed: int, cfg_scale: float = 1.0) -> list[dict]:
         speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
         return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
