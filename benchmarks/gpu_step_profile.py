@@ -49,9 +49,9 @@ def trace_text_lm(model_dir: str, trace_dir: str, args) -> None:
     llm = LLM(model=model_dir, profiler_config=_profiler_config(trace_dir, args), **_settings(args))
     params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False)
     n = args.concurrency
-    llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, 0)], params, use_tqdm=False)
     llm.start_profile()
-    llm.generate([{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, n)], params, use_tqdm=False)
     llm.stop_profile()
     llm.llm_engine.engine_core.shutdown()
 
@@ -87,9 +87,9 @@ def _trace_omni(deploy: str, model_dir: str, trace_dir: str, args, extra: dict, 
     params = SamplingParams(temperature=0.8, max_tokens=args.gen_len, ignore_eos=True, detokenize=False, **sampling)
     n = args.concurrency
     try:
-        omni.generate([{"prompt_token_ids": p, **extra} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], [params], use_tqdm=False)
+        omni.generate([{"prompt_token_ids": p, **extra} for p in _prompts(8, args.prompt_len, 0)], [params], use_tqdm=False)
         omni.start_profile()
-        omni.generate([{"prompt_token_ids": p, **extra} for p in _prompts(n, args.prompt_len, (256, 152192), n)], [params], use_tqdm=False)
+        omni.generate([{"prompt_token_ids": p, **extra} for p in _prompts(n, args.prompt_len, n)], [params], use_tqdm=False)
         omni.stop_profile()
     finally:
         omni.close()

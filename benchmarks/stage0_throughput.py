@@ -12,6 +12,13 @@ runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg,
 length, max(concurrency)/2 guided requests (cfg_scale 3) run on the same engine: their decode
 rows/s (main + companion) against the plain run's frames/s at the same row count is the cost of
 guidance. Prints and saves JSON.
+
+With two or more --gen-len values the report also has each engine's decode phase alone
+(`decode_phase`, and `ratio_decode_phase`): per concurrency, the marginal rate between the
+shortest and the longest length, N * (g2 - g1) / (T2 - T1), which leaves out what a batch costs
+once (submitting it, prefill, admission spread over steps, finishing and collecting outputs), and
+the intercept T1 - g1 * (T2 - T1) / (g2 - g1). A step's cost grows with the context, so an
+intercept is not a pure per-batch cost; the difference between two engines' intercepts is.
 """
 
 from __future__ import annotations
@@ -27,19 +34,27 @@ import time
 import torch
 
 
-def _prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Random text-token prompts (ids below 256 are special in the Bagpiper layout)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(vocab[0], vocab[1], (n, length), generator=g).tolist()
+    return torch.randint(256, 152192, (n, length), generator=g).tolist()
+
+
+def _batch(args, n: int, gen: int, repeat: int) -> list[list[int]]:
+    """The prompts of one timed run, new for every run: the text LM's prefix cache would otherwise
+    skip almost all of its prefill from a batch's second run on, while the speech LM runs without
+    one (README). Both engines get the same prompts."""
+    return _prompts(n, args.prompt_len, seed=(gen * 10_000 + n) * 100 + repeat)
 
 
 def _median_run(args, run) -> dict:
-    """`run()` (-> items generated) --repeats times: the median run by rate, with every run's rate.
-    Single runs of the same code on one host have differed by up to 25% (short windows: the
-    prefill and the tail are part of each)."""
+    """`run(repeat)` (-> items generated) for each of --repeats runs: the median run by rate, with
+    every run's rate. Single runs of the same code on one host have differed by up to 25% (short
+    windows: the prefill and the tail are part of each)."""
     runs = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         start = time.perf_counter()
-        count = run()
+        count = run(repeat)
         elapsed = time.perf_counter() - start
         runs.append({"seconds": elapsed, "count": count, "per_s": count / elapsed})
     median = sorted(runs, key=lambda r: r["per_s"])[len(runs) // 2]
@@ -49,12 +64,16 @@ def _median_run(args, run) -> dict:
 def _text_runs(label: str, args, generate) -> dict[int, dict[int, dict]]:
     """Per generation length and concurrency, the median run of `generate(prompts, params)` (->
     outputs with one completion each)."""
-    generate([{"prompt_token_ids": p} for p in _prompts(8, args.prompt_len, (256, 152192), 0)], _text_params(16))
+
+    def tokens(prompts: list[list[int]], gen: int) -> int:
+        outputs = generate([{"prompt_token_ids": p} for p in prompts], _text_params(gen))
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    tokens(_prompts(8, args.prompt_len, 0), 16)
     results: dict[int, dict[int, dict]] = {}
     for gen in args.gen_len:
         for n in args.concurrency:
-            prompts = [{"prompt_token_ids": p} for p in _prompts(n, args.prompt_len, (256, 152192), n)]
-            r = _median_run(args, lambda: sum(len(o.outputs[0].token_ids) for o in generate(prompts, _text_params(gen))))
+            r = _median_run(args, lambda repeat: tokens(_batch(args, n, gen, repeat), gen))
             print(f"{label} gen {gen:4d} concurrency {n:4d}: {r['per_s']:9.1f} tok/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
             results.setdefault(gen, {})[n] = {"seconds": r["seconds"], "tokens": r["count"], "tok_per_s": r["per_s"], "runs_tok_per_s": r["runs_per_s"]}
     return results
@@ -130,9 +149,9 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     worker = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **worker)
 
-    def requests(n: int, seed: int, cfg_scale: float = 1.0) -> list[dict]:
+    def requests(prompts: list[list[int]], cfg_scale: float = 1.0) -> list[dict]:
         speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
-        return [{"prompt_token_ids": p, "additional_information": speech} for p in _prompts(n, args.prompt_len, (256, 152192), seed)]
+        return [{"prompt_token_ids": p, "additional_information": speech} for p in prompts]
 
     def frames(reqs: list[dict], gen: int) -> int:
         params = SamplingParams(temperature=0.8, top_k=0, max_tokens=gen, ignore_eos=True, detokenize=False)
@@ -143,22 +162,23 @@ def bench_speech_lm(model_dir: str, args) -> dict:
             assert rows.shape == (gen, 8), rows.shape  # every step one 8-stream frame
         return len(outs) * gen
 
-    def timed(reqs: list[dict], gen: int, label: str, rows_per_request: int) -> dict:
-        r = _median_run(args, lambda: frames(reqs, gen))
-        result = {"requests": len(reqs), "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
+    def timed(n: int, gen: int, label: str, cfg_scale: float = 1.0) -> dict:
+        r = _median_run(args, lambda repeat: frames(requests(_batch(args, n, gen, repeat), cfg_scale), gen))
+        rows_per_request = 2 if cfg_scale > 1 else 1
+        result = {"requests": n, "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
         result |= {"runs_frames_per_s": r["runs_per_s"], "decode_rows_per_s": rows_per_request * r["per_s"]}
         print(f"speech LM gen {gen:4d} {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
         return result
 
     results: dict = {}
     try:
-        frames(requests(8, 0) + requests(4, 1, cfg_scale=3.0), 16)
+        frames(requests(_prompts(8, args.prompt_len, 0)) + requests(_prompts(4, args.prompt_len, 1), 3.0), 16)
         for gen in args.gen_len:
             for n in args.concurrency:
-                results.setdefault(gen, {})[n] = timed(requests(n, n), gen, f"concurrency {n:4d}", 1)
+                results.setdefault(gen, {})[n] = timed(n, gen, f"concurrency {n:4d}")
             if args.cfg:
                 pairs = max(args.concurrency) // 2
-                results[gen]["cfg_pairs"] = timed(requests(pairs, 7, cfg_scale=3.0), gen, f"{pairs} CFG pairs", 2)
+                results[gen]["cfg_pairs"] = timed(pairs, gen, f"{pairs} CFG pairs", cfg_scale=3.0)
     finally:
         omni.close()
     return results
@@ -176,6 +196,7 @@ def main() -> None:
     ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")
     ap.add_argument("--speech-worker-cls", help="stage-0 worker (A/B: vllm_omni.worker.gpu_ar_worker.GPUARWorker, the stock one)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
+    ap.add_argument("--previous", help="an earlier report of the same settings: its engines' results join this one's")
     args = ap.parse_args()
 
     from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
@@ -188,13 +209,13 @@ def main() -> None:
     write_geometry_config(text_dir, geometry, speech=False)
 
     runs = {"text": (bench_text_lm, text_dir), "omni-text": (bench_omni_text_lm, text_dir), "speech": (bench_speech_lm, speech_dir)}
-    measured: dict = {}
+    measured = _previous_runs(args.previous) if args.previous else {}
     for name in args.runs:  # the report is rewritten after each engine: a cut run keeps what it measured
         measured[name] = runs[name][0](runs[name][1], args)
         report = _report(args, geometry, measured)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}), flush=True)
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio") or k == "decode_phase"}), flush=True)
 
 
 def _report(args, geometry, measured: dict) -> dict:
@@ -207,19 +228,47 @@ def _report(args, geometry, measured: dict) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "settings": {**vars(args), "geometry": f"Bagpiper layout (vocab 160392), {geometry}, bf16, dummy weights"},
-        "text_lm": text,
-        "omni_text_lm": measured.get("omni-text"),
-        "speech_lm": speech,
-    }
+    } | {key: measured.get(name) for name, key in REPORT_KEYS.items()}
     if text and speech:
         report["ratio_frames_per_text_tok"] = {
             gen: {n: speech[gen][n]["frames_per_s"] / text[gen][n]["tok_per_s"] for n in args.concurrency} for gen in args.gen_len
         }
+    phases = {name: _decode_phase(measured.get(name), args) for name in REPORT_KEYS}
+    if any(phases.values()):
+        report["decode_phase"] = {name: phase for name, phase in phases.items() if phase}
+    if phases["text"] and phases["speech"]:
+        report["ratio_decode_phase"] = {n: phases["speech"][n]["per_s"] / phases["text"][n]["per_s"] for n in args.concurrency}
     if speech and args.cfg:  # pair decode rows/s vs plain frames/s at the same row count
         report["ratio_cfg_rows_per_plain_frames"] = {
             gen: speech[gen]["cfg_pairs"]["decode_rows_per_s"] / speech[gen][max(args.concurrency)]["frames_per_s"] for gen in args.gen_len
         }
     return report
+
+
+REPORT_KEYS = {"text": "text_lm", "omni-text": "omni_text_lm", "speech": "speech_lm"}
+
+
+def _previous_runs(path: str) -> dict:
+    """Engine results of an earlier report (the engines can run in separate invocations, each
+    within a device call's time limit), keys back to ints."""
+    with open(path) as f:
+        report = json.load(f)
+    as_ints = lambda d: {int(k) if k.isdigit() else k: as_ints(v) if isinstance(v, dict) else v for k, v in d.items()}
+    return {name: as_ints(report[key]) for name, key in REPORT_KEYS.items() if report.get(key)}
+
+
+def _decode_phase(results: dict | None, args) -> dict | None:
+    """Per concurrency: the decode phase's rate, step time and intercept (module docstring), from
+    the median runs of the shortest and the longest generation length."""
+    short, long = min(args.gen_len), max(args.gen_len)
+    if not results or short == long or long not in results:
+        return None
+    phase = {}
+    for n in args.concurrency:
+        t_short, t_long = results[short][n]["seconds"], results[long][n]["seconds"]
+        step = (t_long - t_short) / (long - short)
+        phase[n] = {"per_s": n / step, "step_ms": 1e3 * step, "intercept_s": t_short - short * step}
+    return phase
 
 
 if __name__ == "__main__":

@@ -56,11 +56,26 @@ def test_frames_go_in_blocks_and_the_rest_with_the_last_output():
         for r, out in outs.items():
             sent[r] += _frames(out)
             assert out.multimodal_output["other"] is not None  # other outputs still go every step
-    assert sent["a"] == [0, 1, 2, 3, 4, 5]  # a block of 4, then the rest at its finish
-    assert sent["b"] == [100, 101, 102, 103, 104, 105, 106, 107]  # two blocks; 108, 109 still held
+    assert sent["a"] == [0, 1, 2, 3, 4, 5]  # slot 1: a block of 3, then the rest at its finish
+    assert sent["b"] == [100, 101, 102, 103, 104, 105, 106, 107]  # slot 0: two blocks; 108, 109 still held
     assert len(blocks) == 1
     blocks.forget("b", after_this_step=False)  # aborted between steps: dropped at once
     assert len(blocks) == 0
+
+
+def test_requests_admitted_together_send_on_different_steps():
+    """A batch in lockstep sends 1/block of its requests' frames per step, not all every block-th
+    step; each request still gets every frame, in order, in blocks of at most `block`."""
+    blocks, rids = ClientFrameBlocks(S, block=4), "abcdefgh"
+    sent = {r: [] for r in rids}
+    for step in range(12):
+        outs = _step(blocks, step, rows=tuple(rids))
+        assert sum(_frames(o) != [] for o in outs.values()) == 2
+        for r, out in outs.items():
+            assert len(_frames(out)) <= 4
+            sent[r] += _frames(out)
+    for r in rids:
+        assert sent[r] == [_frame(r, step) for step in range(len(sent[r]))] and len(sent[r]) >= 12 - 3
 
 
 def test_requests_with_stop_strings_get_every_frame():

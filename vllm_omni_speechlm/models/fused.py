@@ -30,7 +30,7 @@ from vllm.config import VllmConfig
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.models.bagpiper import BagpiperForCausalLM
-from vllm_omni_speechlm.models.speechlm import _to_device
+from vllm_omni_speechlm.models.request_state import to_device
 
 CODEC_PREFIX = "codec."
 
@@ -76,7 +76,7 @@ class FusedCodecDecoding:
         rows = [i for i, ok in enumerate(step.samples) if ok]
         generated = step.generated[rows].tolist()  # host ints (numpy), no device read
         token = out.sampled_token_ids[:, 0]
-        self._history()[slots, _to_device(generated, token.device)] = token[idx].to(torch.int32)
+        self._history()[slots, to_device(generated, token.device)] = token[idx].to(torch.int32)
         ending = self._ending_rows(rows, generated)
         if ending:
             self._emit_clips(ending, len(step.entries))

@@ -3,19 +3,28 @@
 A request holds a slot from its first prefill until vLLM reports it finished or aborted; a
 preempted request keeps its slot (vLLM re-prefills prompt + outputs, and the auxiliary streams
 of those outputs come back from `aux_history`). Everything a step needs is gathered by slot in
-one indexing op; no per-request device work happens per step except seeded noise draws.
+one indexing op; no per-request device work happens per step except seeded noise draws, and a
+step's admissions reach the tables in one copy per table (`write_admitted`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode, Phase, RowSampling, aux_seed
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+
+def to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ints (list) or an array -> a new device tensor (never aliasing the host values, which
+    may be updated in place) without a blocking copy (pinned staging on CUDA)."""
+    t = torch.tensor(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 @dataclass
@@ -39,6 +48,7 @@ class RequestTable:
         self.num_companions = 0
         self.num_text_capable = 0  # live requests whose modality may produce text rows
         self.num_seeded = 0  # live requests with their own aux-stream generator
+        self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -82,12 +92,23 @@ class RequestTable:
         self.entries[req_id] = entry
         self.num_text_capable += params.modality != OutputMode.AUDIO
         self.num_seeded += gen is not None
-        self.phase[slot] = int(Phase.START)
-        self.phase_step[slot] = 0
-        self.mode[slot] = int(params.modality)
-        self.ints[slot] = torch.tensor([tk, ak, budget])
-        self.floats[slot] = torch.tensor([ts, as_, div])
+        self._admitted.append((slot, int(params.modality), (tk, ak, budget), (ts, as_, div)))
         return entry
+
+    def write_admitted(self) -> None:
+        """The table rows of the requests admitted since the last call. One copy per table: a
+        blocking copy per request (a host tensor written into a device one) would wait for the
+        step's forward each time."""
+        if not self._admitted:
+            return
+        slots, modes, ints, floats = zip(*self._admitted)
+        self._admitted = []
+        idx = to_device(list(slots), self.device)
+        self.phase[idx] = int(Phase.START)
+        self.phase_step[idx] = 0
+        self.mode[idx] = to_device(list(modes), self.device)
+        self.ints[idx] = to_device(np.array(ints, dtype=np.int64), self.device)
+        self.floats[idx] = to_device(np.array(floats, dtype=np.float32), self.device)
 
     def release(self, req_ids) -> None:
         for req_id in req_ids:

@@ -49,7 +49,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
-from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable
+from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable, to_device
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
 logger = init_logger(__name__)
@@ -109,13 +109,6 @@ def _step_compile_backend(vllm_config: VllmConfig) -> str | None:
     if vllm_config.device_config.device_type != "cuda" or vllm_config.compilation_config.mode == CompilationMode.NONE:
         return None
     return "inductor"
-
-
-def _to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host ints (list) or an array -> a new device tensor (never aliasing the host values, which
-    may be updated in place) without a blocking copy (pinned staging on CUDA)."""
-    t = torch.tensor(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 class SpeechLMForCausalLM(nn.Module):
@@ -224,7 +217,7 @@ class SpeechLMForCausalLM(nn.Module):
         step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
         step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
-        index = _to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
+        index = to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
         self._aux_input[: row.size] = self._staged_aux(index)
         return input_ids, positions
 
@@ -274,6 +267,7 @@ class SpeechLMForCausalLM(nn.Module):
                 step.slots[i] = entry.slot
             if step.samples[i]:  # its first sampling step: the whole prompt is in
                 entry.prompt_len = step.prompt_len[i] = int(ends[i])
+        self.table.write_admitted()
         step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
         # to the host once, in `sample` (one tiny synchronous copy per request per step halved
@@ -321,7 +315,7 @@ class SpeechLMForCausalLM(nn.Module):
                 self._warm_up_step_functions(hidden_states, raw)
             return raw
         table, _ = self._state()
-        index = _to_device(np.stack([step.slots, step.generated]), raw.device)  # [2, N], one copy
+        index = to_device(np.stack([step.slots, step.generated]), raw.device)  # [2, N], one copy
         slots, generated = index
         generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
@@ -330,7 +324,7 @@ class SpeechLMForCausalLM(nn.Module):
         raw, kinds, aux = self._decode_rows(hidden_states, raw, index, max_top_k, noise, step.guided)
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
-        idx = slice(None) if all(step.samples) else _to_device(np.flatnonzero(step.samples), raw.device)
+        idx = slice(None) if all(step.samples) else to_device(np.flatnonzero(step.samples), raw.device)
         step.sampled, step.index = (idx, slots[idx]), index
         table.aux_history[slots[idx], generated[idx]] = aux[idx]
         return self._primary_logits(raw, kinds, index, max_top_k, table.num_text_capable == 0)
@@ -393,7 +387,7 @@ class SpeechLMForCausalLM(nn.Module):
         # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
         with fx_config.patch(use_duck_shape=False):
             for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
-                index = _to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
+                index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = torch.empty(n, cfg.num_streams - 1, cfg.aux_stream_width, device=device).exponential_()
                 guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
                 merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
@@ -418,7 +412,7 @@ class SpeechLMForCausalLM(nn.Module):
             return None
         main, companion, scale = zip(*pairs)
         scale = torch.tensor(scale, dtype=torch.float32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-        return _to_device(list(main), device), _to_device(list(companion), device), scale
+        return to_device(list(main), device), to_device(list(companion), device), scale
 
     @staticmethod
     def _merge_guided(raw: torch.Tensor, aux: torch.Tensor, kinds: torch.Tensor, guided: tuple) -> tuple:
