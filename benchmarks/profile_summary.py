@@ -22,18 +22,28 @@ import collections
 import json
 
 ENGINE_CORE = "EngineCore"  # in the engine core process's title (VLLM::StageEngineCoreProc, VLLM::EngineCore_DP0)
+# Frames as "function (file" (py-spy 0.4.2 writes no class names; older ones wrote "Class.function").
 COMPONENTS = {
-    "scheduler.schedule": "Scheduler.schedule (",
+    "scheduler.schedule": "schedule (vllm/v1/core/sched/scheduler.py",
     "scheduler.update_from_output": "update_from_output (",
-    "runner.preprocess_hooks": "OmniGPUModelRunner._preprocess (",
+    "runner.preprocess_hooks": "_preprocess (vllm_omni/worker/gpu_model_runner.py",
     "runner.model_kwargs_extra": "_build_model_kwargs_extra (",
     "runner.output_builder": "output_builder (",
-    "model.prepare_runner_inputs": "SpeechLMForCausalLM.prepare_runner_inputs (",
-    "model.make_omni_output": "SpeechLMForCausalLM.make_omni_output (",
-    "model.compute_logits": "SpeechLMForCausalLM.compute_logits (",
-    "model.sample": "SpeechLMForCausalLM.sample (",
+    "runner.prepare_input_ids": "_prepare_input_ids (",  # vLLM's V1 loops (runner_loops.py)
+    "runner.bookkeeping_sync": "_bookkeeping_sync (",
+    "model.prepare_runner_inputs": "prepare_runner_inputs (vllm_omni_speechlm/models/speechlm.py",
+    "model.make_omni_output": "make_omni_output (vllm_omni_speechlm/models/speechlm.py",
+    "model.compute_logits": "compute_logits (vllm_omni_speechlm/models/speechlm.py",
+    "model.sample": "sample (vllm_omni_speechlm/models/speechlm.py",
 }
-IDLE = ("Condition.wait (", "EpollSelector.select (", "Poller.poll (", "Event.synchronize (")  # waiting: I/O, the GPU
+# Waiting: for work and I/O, or for the GPU.
+IDLE = ("wait (threading.py", "select (selectors.py", "poll (zmq/sugar/poll.py", "synchronize (torch/cuda/streams.py")
+
+
+def _bare(frame: str) -> str:
+    """'Class.function (file:line)' -> 'function (file:line)'."""
+    name, sep, where = frame.partition(" (")
+    return name.rpartition(".")[2] + sep + where
 
 
 def _function(frame: str) -> str:
@@ -57,12 +67,13 @@ def summarize(path: str, top: int = 40) -> dict:
     main, output = collections.Counter(), collections.Counter()
     inclusive, own = collections.Counter(), collections.Counter()  # busy main-thread samples per function
     for frames, core, count in _engine_core_stacks(path):
-        thread, idle = frames[core + 1], frames[-1].startswith(IDLE)
+        bare = [_bare(f) for f in frames[core + 2 :]]
+        thread, idle = frames[core + 1], bool(bare) and bare[-1].startswith(IDLE)
         if "MainThread" in thread:
             main["samples"] += count
             main["idle"] += idle * count
             for name, needle in COMPONENTS.items():
-                main[name] += any(needle in f for f in frames) * count
+                main[name] += any(f.startswith(needle) for f in bare) * count
             if not idle:
                 for function in {_function(f) for f in frames[core + 2 :]}:
                     inclusive[function] += count

@@ -11,7 +11,8 @@ length and concurrency: frames/s (Bagpiper) or tok/s (text LM), the median of --
 runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg, per generation
 length, max(concurrency)/2 guided requests (cfg_scale 3) run on the same engine: their decode
 rows/s (main + companion) against the plain run's frames/s at the same row count is the cost of
-guidance. Prints and saves JSON.
+guidance. The speech LM's report ends with a digest of a seeded request's frames (a same-host A/B
+of two builds must print the same). Prints and saves JSON.
 
 With two or more --gen-len values the report also has each engine's decode phase alone
 (`decode_phase`, and `ratio_decode_phase`): per concurrency, the marginal rate between the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -162,6 +164,19 @@ def bench_speech_lm(model_dir: str, args) -> dict:
             assert rows.shape == (gen, 8), rows.shape  # every step one 8-stream frame
         return len(outs) * gen
 
+    def digest(gen: int) -> dict:
+        """One request's frames (all streams) under a seed, hashed, twice. Seeded dummy weights,
+        engine settings, prompt and seed fix them, so two builds compared on one host must agree.
+        (Several requests submitted together reach the engine over a varying number of steps, so
+        their batches, and with them bf16 results, differ from run to run.)"""
+        params = SamplingParams(temperature=0.8, top_k=0, max_tokens=gen, ignore_eos=True, detokenize=False, seed=1234)
+        hashes = []
+        for _ in range(2):
+            (out,) = omni.generate(requests(_prompts(1, args.prompt_len, 7)), [params], use_tqdm=False)
+            codes = torch.as_tensor(out.multimodal_output["codes"]["audio"])
+            hashes.append(hashlib.sha256(codes.numpy().tobytes()).hexdigest())
+        return {"frames": gen, "seed": 1234, "sha256": hashes[0], "stable": hashes[0] == hashes[1]}
+
     def timed(n: int, gen: int, label: str, cfg_scale: float = 1.0) -> dict:
         r = _median_run(args, lambda repeat: frames(requests(_batch(args, n, gen, repeat), cfg_scale), gen))
         rows_per_request = 2 if cfg_scale > 1 else 1
@@ -179,6 +194,8 @@ def bench_speech_lm(model_dir: str, args) -> dict:
             if args.cfg:
                 pairs = max(args.concurrency) // 2
                 results[gen]["cfg_pairs"] = timed(pairs, gen, f"{pairs} CFG pairs", cfg_scale=3.0)
+        results["digest"] = digest(min(args.gen_len))
+        print(f"speech LM digest: {results['digest']}", flush=True)
     finally:
         omni.close()
     return results

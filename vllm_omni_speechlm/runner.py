@@ -17,7 +17,8 @@ in blocks, client_frames.py). When the payloads only go to the client (no async 
 connector accumulating full payloads, no prefix cache), vllm-omni's per-request builder is
 skipped; otherwise it puts each request's frame view in its payload as it is. Deploy YAMLs
 select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
-`platforms.cpu_worker.CPUSpeechLMARWorker` on CPU).
+`platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
+loops of an async-scheduled step (`runner_loops.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 
 from vllm_omni_speechlm.client_frames import StepOutputs
 from vllm_omni_speechlm.models.speechlm import CODES_KEY, FRAME_ROWS_KWARG, FrameRows
+from vllm_omni_speechlm.runner_loops import BatchedRunnerLoopsMixin
 
 
 class RowInfo:
@@ -112,8 +114,9 @@ def _without_frames(payload: dict | None) -> dict:
     return {k: v for k, v in (payload or {}).items() if k != CODES_KEY}
 
 
-class SpeechLMARModelRunner(SpeechLMRunnerMixin, GPUARModelRunner):
-    """vllm-omni's GPU AR runner with the batched speech LM steps."""
+class SpeechLMARModelRunner(SpeechLMRunnerMixin, BatchedRunnerLoopsMixin, GPUARModelRunner):
+    """vllm-omni's GPU AR runner with the batched speech LM steps and vLLM's async-step loops
+    batched (runner_loops.py)."""
 
 
 class SpeechLMARWorker(GPUARWorker):

@@ -48,6 +48,7 @@ class RequestTable:
         self.num_companions = 0
         self.num_text_capable = 0  # live requests whose modality may produce text rows
         self.num_seeded = 0  # live requests with their own aux-stream generator
+        self.num_released = 0  # requests released so far (a step's rows read before are stale)
         self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
         self._allocate(capacity)
 
@@ -114,6 +115,7 @@ class RequestTable:
         for req_id in req_ids:
             entry = self.entries.pop(req_id, None)
             if entry is not None:
+                self.num_released += 1
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
                 self.num_text_capable -= entry.params.modality != OutputMode.AUDIO

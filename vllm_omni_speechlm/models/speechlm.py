@@ -69,6 +69,8 @@ class StepRows:
     prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # _UNKNOWN_LEN until known
     generated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # output index each row samples
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
+    max_top_k: int | None = None  # over the entries; None: not known yet (compute_logits)
+    num_released: int = 0  # the table's count of releases when the rows were read
     # (rows, their slots) of the rows that sample; rows is slice(None) when all do (no gather)
     sampled: tuple[slice | torch.Tensor, torch.Tensor] | None = None
     index: torch.Tensor | None = None  # [2, N] device slots and output indices (compute_logits)
@@ -208,18 +210,28 @@ class SpeechLMForCausalLM(nn.Module):
         and its aux streams are `aux_history[slot, p - prompt_len]` (a re-prefill after
         preemption rebuilds them from there); prompt tokens have none."""
         table, _ = self._state()
-        entries = [table.entries.get(r) for r in req_ids]  # None: not admitted yet (make_omni_output)
-        step = self._step = StepRows(list(req_ids), entries, num_computed_tokens.astype(np.int64), num_scheduled_tokens.astype(np.int64))
+        last = self._step
+        step = self._step = StepRows(list(req_ids), computed=num_computed_tokens.astype(np.int64), scheduled=num_scheduled_tokens.astype(np.int64))
+        if step.req_ids == last.req_ids and table.num_released == last.num_released:
+            # The last step's batch (a decode step's usual case): its rows as that step left them.
+            step.entries, step.slots, step.prompt_len, step.max_top_k = last.entries, last.slots, last.prompt_len, last.max_top_k
+        else:
+            self._read_rows(step, table)
+        step.num_released = table.num_released
         for i in np.flatnonzero(step.computed == 0).tolist():  # a first chunk: new, or preempted and now re-prefilled
-            if entries[i] is not None:
+            if step.entries[i] is not None:
                 self.num_resumed += 1
-                self.num_resumed_companions += entries[i].guided_by is not None
-        step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
-        step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
+                self.num_resumed_companions += step.entries[i].guided_by is not None
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
         index = to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
         self._aux_input[: row.size] = self._staged_aux(index)
         return input_ids, positions
+
+    @staticmethod
+    def _read_rows(step: StepRows, table: RequestTable) -> None:
+        entries = step.entries = [table.entries.get(r) for r in step.req_ids]  # None: not admitted yet (make_omni_output)
+        step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
+        step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
 
     def _staged_aux_eager(self, index: torch.Tensor) -> torch.Tensor:
         """[2, T] slot and output index (negative: a prompt token) of each scheduled token ->
@@ -264,7 +276,7 @@ class SpeechLMForCausalLM(nn.Module):
             entry = step.entries[i]
             if entry is None:
                 entry = step.entries[i] = self._admit(i, buffers, metadata)
-                step.slots[i] = entry.slot
+                step.slots[i], step.max_top_k = entry.slot, None
             if step.samples[i]:  # its first sampling step: the whole prompt is in
                 entry.prompt_len = step.prompt_len[i] = int(ends[i])
         self.table.write_admitted()
@@ -320,7 +332,9 @@ class SpeechLMForCausalLM(nn.Module):
         generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
         noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
-        max_top_k = max(e.max_top_k for e in step.entries)
+        if step.max_top_k is None:
+            step.max_top_k = max(e.max_top_k for e in step.entries)
+        max_top_k = step.max_top_k
         raw, kinds, aux = self._decode_rows(hidden_states, raw, index, max_top_k, noise, step.guided)
         self._frames[:, 1:] = aux
         # Rows that really sample (not a partial prefill chunk) update the request's state.
