@@ -71,19 +71,18 @@ class BatchedRunnerLoopsMixin:
         sampled = sampler_output.sampled_token_ids
         if not self.use_async_scheduling or sampled.shape[-1] != 1 or envs.VLLM_COMPUTE_NANS_IN_LOGITS:
             return super()._bookkeeping_sync(scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens)
-        batch = self.input_batch
+        batch, req_ids = self.input_batch, self.input_batch.req_ids
         discard = np.flatnonzero(self.discard_request_mask.np[: batch.num_reqs])  # partial prefill chunks
-        for i in discard.tolist():  # their draws do not count (vLLM's own rule)
-            gen = batch.generators.get(i)
-            if gen is not None:
-                gen.set_offset(gen.get_offset() - 4)
-        req_ids = batch.req_ids
+        discarded = discard.tolist()
         outputs = (req_ids.copy(), batch.req_id_to_index.copy())
         if batch.prev_sampled_token_ids is None:  # next step's input ids, read on the GPU
             batch.prev_sampled_token_ids = sampled
         prev_rows = dict(zip(req_ids, range(len(req_ids))))
-        for i in discard.tolist():
+        for i in discarded:  # not fed next step; their draws do not count (vLLM's own rule)
             del prev_rows[req_ids[i]]
+            gen = batch.generators.get(i)
+            if gen is not None:
+                gen.set_offset(gen.get_offset() - 4)
         batch.prev_req_id_to_index = prev_rows
         self._append_placeholders(np.setdiff1d(np.arange(sampled.shape[0]), discard, assume_unique=True))
         prompt_logprobs = self._get_prompt_logprobs_dict(
@@ -91,7 +90,7 @@ class BatchedRunnerLoopsMixin:
         )
         # vLLM's tuple: NaN counts (host, device), logprobs lists and valid sampled ids (with async
         # scheduling both come with the output), prompt logprobs, the batch's ids and rows, discarded rows.
-        return {}, None, None, [], prompt_logprobs, *outputs, discard.tolist()
+        return {}, None, None, [], prompt_logprobs, *outputs, discarded
 
     def _append_placeholders(self, rows: np.ndarray) -> None:
         """The sampled rows' new token, not on the host yet: a -1 placeholder in the token table
