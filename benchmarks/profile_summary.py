@@ -52,6 +52,13 @@ def _function(frame: str) -> str:
     return f"{name} ({where.rpartition(':')[0] or where.rstrip(')')})"
 
 
+def _package(frame: str) -> str:
+    """'name (vllm/v1/worker/x.py:12)' -> 'vllm/v1/worker'; the other packages by their top name."""
+    path = frame.partition(" (")[2]
+    parts = path.split("/")
+    return "/".join(parts[:3]) if parts[0] == "vllm" and len(parts) > 3 else parts[0] if len(parts) > 1 else "<other>"
+
+
 def _engine_core_stacks(path: str):
     """The engine core's stacks in a py-spy raw profile: (frames, index of its process frame (a
     process below the root; its thread follows), sample count)."""
@@ -66,6 +73,7 @@ def _engine_core_stacks(path: str):
 def summarize(path: str, top: int = 40) -> dict:
     main, output = collections.Counter(), collections.Counter()
     inclusive, own = collections.Counter(), collections.Counter()  # busy main-thread samples per function
+    owners = collections.Counter()  # busy main-thread samples per package of the running frame
     for frames, core, count in _engine_core_stacks(path):
         bare = [_bare(f) for f in frames[core + 2 :]]
         thread, idle = frames[core + 1], bool(bare) and bare[-1].startswith(IDLE)
@@ -78,6 +86,7 @@ def summarize(path: str, top: int = 40) -> dict:
                 for function in {_function(f) for f in frames[core + 2 :]}:
                     inclusive[function] += count
                 own[_function(frames[-1])] += count
+                owners[_package(frames[-1])] += count
         elif "process_output_sockets" in thread:
             output["samples"] += count
             output["busy"] += (not idle) * count
@@ -90,6 +99,7 @@ def summarize(path: str, top: int = 40) -> dict:
         # Where the busy main thread goes beyond the components above: shares of all its samples.
         "top_inclusive": {f: round(n / total, 3) for f, n in inclusive.most_common(top)},
         "top_self": {f: round(n / total, 3) for f, n in own.most_common(top)},
+        "self_by_package": {p: round(n / total, 3) for p, n in owners.most_common(12)},
     }
 
 

@@ -68,7 +68,7 @@ def _text_runs(label: str, args, generate) -> dict[int, dict[int, dict]]:
     outputs with one completion each)."""
 
     def tokens(prompts: list[list[int]], gen: int) -> int:
-        outputs = generate([{"prompt_token_ids": p} for p in prompts], _text_params(gen))
+        outputs = generate([{"prompt_token_ids": p} for p in prompts], _text_params(gen, args.seed))
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     tokens(_prompts(8, args.prompt_len, 0), 16)
@@ -81,10 +81,10 @@ def _text_runs(label: str, args, generate) -> dict[int, dict[int, dict]]:
     return results
 
 
-def _text_params(gen: int):
+def _text_params(gen: int, seed: int | None):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.8, max_tokens=gen, ignore_eos=True, detokenize=False)
+    return SamplingParams(temperature=0.8, max_tokens=gen, ignore_eos=True, detokenize=False, seed=seed)
 
 
 def _engine_settings(args) -> dict:
@@ -129,7 +129,7 @@ def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict[int, dict]]:
     plugin.register()
     deploy = os.path.join(model_dir, "omni_text.yaml")
     with open(deploy, "w") as f:
-        f.write(OMNI_TEXT_DEPLOY)
+        f.write(OMNI_TEXT_DEPLOY + f"model_runner: {args.omni_model_runner}\n")
     omni = Omni(model=model_dir, deploy_config=deploy, **_engine_settings(args))
     try:
         return _text_runs("omni text", args, lambda prompts, params: omni.generate(prompts, [params], use_tqdm=False))
@@ -156,7 +156,7 @@ def bench_speech_lm(model_dir: str, args) -> dict:
         return [{"prompt_token_ids": p, "additional_information": speech} for p in prompts]
 
     def frames(reqs: list[dict], gen: int) -> int:
-        params = SamplingParams(temperature=0.8, top_k=0, max_tokens=gen, ignore_eos=True, detokenize=False)
+        params = SamplingParams(temperature=0.8, top_k=0, max_tokens=gen, ignore_eos=True, detokenize=False, seed=args.seed)
         outs = omni.generate(reqs, [params], use_tqdm=False)
         assert len(outs) == len(reqs)  # companions never reach the client
         for o in outs:
@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")
     ap.add_argument("--speech-worker-cls", help="stage-0 worker (A/B: vllm_omni.worker.gpu_ar_worker.GPUARWorker, the stock one)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
+    ap.add_argument("--seed", type=int, help="every timed request of both engines seeded (the seeded sampling paths)")
+    ap.add_argument("--omni-model-runner", choices=["v1", "v2"], default="v1", help="the omni-text stage's runner (V1 or Model Runner V2)")
     ap.add_argument("--previous", help="an earlier report of the same settings: its engines' results join this one's")
     args = ap.parse_args()
 
@@ -245,6 +247,7 @@ def _report(args, geometry, measured: dict) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "settings": {**vars(args), "geometry": f"Bagpiper layout (vocab 160392), {geometry}, bf16, dummy weights"},
+        "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
     } | {key: measured.get(name) for name, key in REPORT_KEYS.items()}
     if text and speech:
         report["ratio_frames_per_text_tok"] = {

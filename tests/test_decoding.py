@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_omni_speechlm.config import bagpiper_layout
-from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, apply_top_k
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling, _mul32, apply_top_k, seeded_exponential
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 CFG = bagpiper_layout(text_vocab_size=300)
@@ -118,6 +118,48 @@ def test_aux_sampling_is_greedy_at_temperature_zero():
     rows = _rows(*[SpeechSamplingParams(audio_temperature=0.0, text_temperature=0.5)] * 3)
     noise = torch.empty_like(logits).exponential_()
     assert torch.equal(RULES.sample_aux_streams(logits, rows, noise), logits.argmax(-1))
+
+
+def test_mul32_is_multiplication_mod_2_32():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2**32, (1000,), generator=g)
+    for c in (0x21F0AAAD, 0xD35A2D97, 0x9E3779B9, 1, 0xFFFFFFFF):
+        assert _mul32(x, c).tolist() == [v * c % 2**32 for v in x.tolist()]
+
+
+def test_seeded_noise_is_keyed_on_seed_and_position_only():
+    """Counter-based: a row's noise is the same alone or anywhere in any batch (the engine's rows
+    must equal the reference's one-request draws), and changes with the seed or the position."""
+    seeds = torch.tensor([0, 1, 2**63 - 2, 12345, 12345, 7])
+    positions = torch.tensor([0, 0, 3, 3, 4, 2**31 + 5])
+    batch = seeded_exponential(seeds, positions, (7, 33))
+    for i in range(len(seeds)):
+        assert torch.equal(seeded_exponential(seeds[i : i + 1], positions[i : i + 1], (7, 33))[0], batch[i])
+    order = torch.tensor([5, 2, 0, 4, 1, 3])
+    assert torch.equal(seeded_exponential(seeds[order], positions[order], (7, 33)), batch[order])
+    flat = batch.flatten(1)
+    for a, b in ((0, 1), (3, 4)):  # another seed, the next position
+        assert (flat[a] != flat[b]).float().mean() > 0.99
+    assert torch.isfinite(batch).all() and (batch > 0).all()
+
+
+def test_seeded_noise_is_exp1_and_uncorrelated():
+    n, width = 4000, 256
+    q = seeded_exponential(torch.full((n,), 99), torch.arange(n), (width,)).double()
+    assert abs(q.mean() - 1) < 0.01 and abs(q.var() - 1) < 0.03
+    assert abs((q < torch.log(torch.tensor(2.0))).double().mean() - 0.5) < 0.005  # median ln 2
+    corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
+    assert corr(q[:-1], q[1:]) < 0.01  # consecutive positions
+    assert corr(q[:, :-1], q[:, 1:]) < 0.01  # neighbouring elements
+
+
+def test_seeded_noise_samples_the_softmax():
+    """Gumbel-max with the counter-based noise: argmax(p / q) is a draw from p."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    n = 40_000
+    q = seeded_exponential(torch.full((n,), 3), torch.arange(n), (4,))
+    freq = torch.bincount((probs / q).argmax(-1), minlength=4) / n
+    assert torch.allclose(freq, probs, atol=0.01)
 
 
 @pytest.mark.parametrize(

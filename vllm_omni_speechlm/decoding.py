@@ -32,14 +32,17 @@ Random-number contract (what the engine path reproduces exactly):
   * stream 0 is sampled by vLLM's sampler from the logits `process_primary_logits` returns:
     `x / T_engine` -> softmax(float32) -> `argmax(p / q)`, q ~ Exp(1) over the row, drawn from a
     torch.Generator seeded with the request's seed (greedy when T_engine == 0).
-  * streams 1..S-1 are sampled by `sample_aux_streams` at every sampled position (whatever the
-    row kind, so the draw count never depends on tensor values): q ~ Exp(1) of shape [S-1, W]
-    from a second generator seeded with `aux_seed(seed)`.
+  * streams 1..S-1 are sampled by `sample_aux_streams` at every sampled position: q ~ Exp(1) of
+    shape [S-1, W], for a seeded request `seeded_exponential(aux_seed(seed), output index)`.
+    Counter-based (a function of the seed, the position and the element only): a batch's seeded
+    rows draw in one op, whatever else is in the batch, and a re-prefilled request redraws the
+    same noise.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,8 +102,38 @@ def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
 
 
 def aux_seed(seed: int) -> int:
-    """Seed of the auxiliary-stream generator: decorrelated from the stream-0 generator."""
+    """Seed of the auxiliary-stream noise: decorrelated from the stream-0 generator."""
     return (seed * 0x9E3779B1 + 0x5EED) % (2**63 - 1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for int64 x in [0, 2**32): c in 16-bit halves, so no product passes 2**49
+    (int64 overflow is not defined behaviour everywhere)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (Wellons' lowbias32) on int64 in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0xD35A2D97)
+    return x ^ (x >> 15)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """[N] seeds in [0, 2**63), [N] positions -> [N, *shape] float32 Exp(1) noise; element j of
+    row i depends on (seeds[i], positions[i], j) only (counter-based, so batch-invariant). The
+    log runs in float64: a float32 log can differ by an ulp between vectorised and scalar CPU
+    paths, which would make a row's noise depend on where it sits in the batch."""
+    row = _mix32(_mix32(_mix32(seeds & _MASK32) ^ (seeds >> 32)) ^ (positions & _MASK32))  # [N]
+    j = torch.arange(math.prod(shape), device=seeds.device)
+    bits = _mix32(_mix32((row[:, None] + _mul32(j, 0x9E3779B9)) & _MASK32))  # [N, prod(shape)]
+    u = (bits.double() + 0.5) * 2.0**-32  # in (0, 1)
+    return (-torch.log(u)).float().view(-1, *shape)
 
 
 class DecodingRules:

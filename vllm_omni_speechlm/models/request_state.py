@@ -3,8 +3,8 @@
 A request holds a slot from its first prefill until vLLM reports it finished or aborted; a
 preempted request keeps its slot (vLLM re-prefills prompt + outputs, and the auxiliary streams
 of those outputs come back from `aux_history`). Everything a step needs is gathered by slot in
-one indexing op; no per-request device work happens per step except seeded noise draws, and a
-step's admissions reach the tables in one copy per table (`write_admitted`).
+one indexing op; no per-request device work happens per step, and a step's admissions reach
+the tables in one copy per table (`write_admitted`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 
 from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import OutputMode, Phase, RowSampling, aux_seed
+from vllm_omni_speechlm.decoding import OutputMode, Phase, RowSampling, aux_seed, seeded_exponential
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+UNSEEDED = -1  # the aux-seed column of a request without a seed
 
 
 def to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
@@ -33,7 +35,6 @@ class RequestEntry:
     slot: int
     params: SpeechSamplingParams  # resolved against the checkpoint's defaults
     prompt_len: int | None  # None until the request's first sampling step
-    aux_generator: torch.Generator | None  # None: unseeded, noise from the global RNG
     max_top_k: int  # host copy, so a step's top-k width needs no device read
     guided_by: str | None = None  # a CFG companion: the id of the main request it guides
 
@@ -47,7 +48,6 @@ class RequestTable:
         self.entries: dict[str, RequestEntry] = {}
         self.num_companions = 0
         self.num_text_capable = 0  # live requests whose modality may produce text rows
-        self.num_seeded = 0  # live requests with their own aux-stream generator
         self.num_released = 0  # requests released so far (a step's rows read before are stale)
         self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
         self._allocate(capacity)
@@ -59,7 +59,7 @@ class RequestTable:
         self.phase = torch.zeros(capacity, dtype=torch.long, device=d)
         self.phase_step = torch.zeros(capacity, dtype=torch.long, device=d)  # steps in the current phase
         self.mode = torch.zeros(capacity, dtype=torch.long, device=d)
-        self.ints = torch.zeros(capacity, 3, dtype=torch.long, device=d)  # text k, audio k, text budget
+        self.ints = torch.zeros(capacity, 4, dtype=torch.long, device=d)  # text k, audio k, text budget, aux seed
         self.floats = torch.ones(capacity, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
         self.aux_history = torch.zeros(capacity, self.max_output_len, s1, dtype=torch.int32, device=d)
 
@@ -82,18 +82,15 @@ class RequestTable:
         if not self.free:
             self._grow()
         slot = self.free.pop()
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(aux_seed(params.seed))
         tk, ak, ts, as_, div, budget = params.row_values()
-        entry = RequestEntry(req_id, slot, params, None, gen, max(tk, ak))
+        seed = UNSEEDED if params.seed is None else aux_seed(params.seed)
+        entry = RequestEntry(req_id, slot, params, None, max(tk, ak))
         if is_companion(req_id):
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
         self.num_text_capable += params.modality != OutputMode.AUDIO
-        self.num_seeded += gen is not None
-        self._admitted.append((slot, int(params.modality), (tk, ak, budget), (ts, as_, div)))
+        self._admitted.append((slot, int(params.modality), (tk, ak, budget, seed), (ts, as_, div)))
         return entry
 
     def write_admitted(self) -> None:
@@ -119,21 +116,16 @@ class RequestTable:
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
                 self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
-                self.num_seeded -= entry.aux_generator is not None
 
     def row_sampling(self, slots: torch.Tensor, max_top_k: int) -> RowSampling:
         """Rows' sampling tensors; `max_top_k` is the host max over their entries' `max_top_k`."""
         ints, floats = self.ints[slots], self.floats[slots]
         return RowSampling(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_top_k)
 
-    def aux_noise(self, entries: list[RequestEntry], samples: list[bool], width: int) -> torch.Tensor:
-        """[N, S-1, W] Exp(1) noise: rows that sample and are seeded draw from their own
-        generator (the contract in `decoding.py`), the rest from the global RNG in one draw."""
-        noise = torch.empty(len(entries), self.cfg.num_streams - 1, width, device=self.device)
-        noise.exponential_()
-        if not self.num_seeded:
-            return noise
-        for i, (entry, sampled) in enumerate(zip(entries, samples)):
-            if sampled and entry.aux_generator is not None:
-                noise[i].exponential_(generator=entry.aux_generator)
-        return noise
+    def aux_noise(self, slots: torch.Tensor, generated: torch.Tensor, unseeded: torch.Tensor) -> torch.Tensor:
+        """[N] rows' slots and output indices, [N, S-1, W] Exp(1) noise from the global RNG ->
+        the rows' noise: a seeded request's own (`seeded_exponential`, the contract in
+        `decoding.py`), the others' `unseeded`. No host work: the step functions compile it."""
+        seeds = self.ints[slots, 3]
+        seeded = seeded_exponential(seeds.clamp(min=0), generated, unseeded.shape[1:])
+        return torch.where((seeds != UNSEEDED)[:, None, None], seeded, unseeded)

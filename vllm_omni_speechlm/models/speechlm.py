@@ -331,7 +331,7 @@ class SpeechLMForCausalLM(nn.Module):
         slots, generated = index
         generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
-        noise = table.aux_noise(step.entries, step.samples, self.speech.aux_stream_width)
+        noise = torch.empty(n, self.speech.num_streams - 1, self.speech.aux_stream_width, device=raw.device).exponential_()
         if step.max_top_k is None:
             step.max_top_k = max(e.max_top_k for e in step.entries)
         max_top_k = step.max_top_k
@@ -354,8 +354,8 @@ class SpeechLMForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's math after the LM head, without side effects: [N, H] hidden states, [N, V]
         raw stream-0 logits, [2, N] slots and output indices, the rows' largest top-k,
-        [N, S-1, W] noise -> stream-0 logits (CFG-merged), [N] row kinds, [N, S-1] aux stream
-        ids (int32; pad where not sampled)."""
+        [N, S-1, W] noise from the global RNG (seeded rows get their own) -> stream-0 logits
+        (CFG-merged), [N] row kinds, [N, S-1] aux stream ids (int32; pad where not sampled)."""
         table, rules = self.table, self.rules
         slots, generated = index
         rows = table.row_sampling(slots, max_top_k)
@@ -364,7 +364,7 @@ class SpeechLMForCausalLM(nn.Module):
         aux_logits = self._aux_logits(hidden)
         if guided is not None:
             raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, guided)
-        aux = rules.sample_aux_streams(aux_logits, rows, noise) + self.aux_start
+        aux = rules.sample_aux_streams(aux_logits, rows, table.aux_noise(slots, generated, noise)) + self.aux_start
         aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
         if guided is not None:  # the companion is fed the main's tokens
             main, companion, _ = guided

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from vllm_omni_speechlm.cfg import merge_guided, unconditional_prompt
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -106,15 +106,18 @@ class ReferenceSpeechLM:
         return merge_guided(logits[:1], logits[1:2], scale)
 
     # ---- generation -----------------------------------------------------------------------
+    def aux_noise(self, seed: int | None, generated: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """[1, S-1, W] Exp(1) noise of the aux streams at output index `generated` ([1])."""
+        if seed is None:
+            return torch.empty(1, *shape, device=self.device).exponential_()
+        return seeded_exponential(torch.tensor([aux_seed(seed)], device=self.device), generated, shape)
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SpeechSamplingParams) -> ReferenceOutput:
         cfg, rules = self.cfg, self.rules
         p = params.resolve(cfg)
         rows = RowSampling.from_params([p], self.device)
-        g0 = g_aux = None
-        if p.seed is not None:
-            g0 = torch.Generator(self.device).manual_seed(p.seed)
-            g_aux = torch.Generator(self.device).manual_seed(aux_seed(p.seed))
+        g0 = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
         mode = torch.tensor([int(p.modality)], device=self.device)
         phase = torch.tensor([int(Phase.START)], device=self.device)
         phase_step = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -137,7 +140,7 @@ class ReferenceSpeechLM:
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
             tok0 = engine_sample(rules.process_primary_logits(logits0, kind, rows), p.engine_temperature, g0)
             tok0 = rules.emitted_token(phase, tok0)  # a drain family's first eos is deferred
-            noise = torch.empty(1, w, cfg.aux_stream_width, device=self.device).exponential_(generator=g_aux)
+            noise = self.aux_noise(p.seed, generated, (w, cfg.aux_stream_width))
             aux = rules.sample_aux_streams(logits_aux, rows, noise) + self.aux_start
             aux = torch.where(rules.aux_sampled(kind, phase_step), aux, cfg.specials.pad)
             token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S]
