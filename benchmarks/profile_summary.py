@@ -54,9 +54,10 @@ def _function(frame: str) -> str:
 
 def _package(frame: str) -> str:
     """'name (vllm/v1/worker/x.py:12)' -> 'vllm/v1/worker'; the other packages by their top name."""
-    path = frame.partition(" (")[2]
-    parts = path.split("/")
-    return "/".join(parts[:3]) if parts[0] == "vllm" and len(parts) > 3 else parts[0] if len(parts) > 1 else "<other>"
+    parts = frame.partition(" (")[2].split("/")
+    if len(parts) == 1:  # no package: a generated file, the thread frame
+        return "<other>"
+    return "/".join(parts[:3]) if parts[0] == "vllm" and len(parts) > 3 else parts[0]
 
 
 def _engine_core_stacks(path: str):

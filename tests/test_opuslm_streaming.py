@@ -95,6 +95,7 @@ def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixtu
     params = SpeechSamplingParams(**KW | {"max_tokens": 300})  # room for the clips to end by draining
     refs = [ref_model.generate(encode_prompt(ref_model.tokenizer, ref_model.cfg, p, system=SYSTEM), params) for p in PROMPTS]
     drained = [r for r in refs if bool((r.kinds == RowKind.FORCE_EOS).any())]
+    assert drained, "no prompt's clip drains"
     ref = max(drained, key=lambda r: r.tokens.shape[0])  # the longest clip that drains: several windows
     payloads, _ = feed_processor(TransferManager(model_dir), ref.tokens)
     gated, calls = feed_processor(TransferManager(model_dir), ref.tokens, gated=True)  # the scheduler's gate

@@ -331,7 +331,7 @@ class SpeechLMForCausalLM(nn.Module):
         slots, generated = index
         generated.clamp_(max=table.max_output_len - 1)
         step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
-        noise = torch.empty(n, self.speech.num_streams - 1, self.speech.aux_stream_width, device=raw.device).exponential_()
+        noise = self._global_aux_noise(n, raw.device)
         if step.max_top_k is None:
             step.max_top_k = max(e.max_top_k for e in step.entries)
         max_top_k = step.max_top_k
@@ -342,6 +342,10 @@ class SpeechLMForCausalLM(nn.Module):
         step.sampled, step.index = (idx, slots[idx]), index
         table.aux_history[slots[idx], generated[idx]] = aux[idx]
         return self._primary_logits(raw, kinds, index, max_top_k, table.num_text_capable == 0)
+
+    def _global_aux_noise(self, n: int, device: torch.device) -> torch.Tensor:
+        """[N, S-1, W] Exp(1) noise from the global RNG (`_decode_rows` gives seeded rows their own)."""
+        return torch.empty(n, self.speech.num_streams - 1, self.speech.aux_stream_width, device=device).exponential_()
 
     def _decode_rows_eager(
         self,
@@ -395,14 +399,14 @@ class SpeechLMForCausalLM(nn.Module):
         request waits on a compile. Inputs take the forms a step passes (a graph guards on
         dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
         self._state()  # the tables the functions read
-        start, device, cfg = time.perf_counter(), hidden.device, self.speech
+        start, device = time.perf_counter(), hidden.device
         set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
         arange = functools.partial(torch.arange, device=device)
         # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
         with fx_config.patch(use_duck_shape=False):
             for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
                 index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
-                noise = torch.empty(n, cfg.num_streams - 1, cfg.aux_stream_width, device=device).exponential_()
+                noise = self._global_aux_noise(n, device)
                 guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
                 merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
                 for no_text_rows in (False, True):
