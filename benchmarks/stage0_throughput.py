@@ -12,7 +12,8 @@ runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg,
 length, max(concurrency)/2 guided requests (cfg_scale 3) run on the same engine: their decode
 rows/s (main + companion) against the plain run's frames/s at the same row count is the cost of
 guidance. The speech LM's report ends with a digest of a seeded request's frames (a same-host A/B
-of two builds must print the same). Prints and saves JSON.
+of two builds must print the same). --no-step-graphs runs stage 0 without its step graphs
+(models/step_graphs.py): an A/B within one build. Prints and saves JSON.
 
 With two or more --gen-len values the report also has each engine's decode phase alone
 (`decode_phase`, and `ratio_decode_phase`): per concurrency, the marginal rate between the
@@ -145,11 +146,14 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     from vllm_omni import Omni
 
     from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.models.speechlm import STEP_GRAPHS_KEY
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()
-    worker = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
-    omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **worker)
+    extra = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
+    if args.no_step_graphs:
+        extra["additional_config"] = {STEP_GRAPHS_KEY: False}
+    omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **extra)
 
     def requests(prompts: list[list[int]], cfg_scale: float = 1.0) -> list[dict]:
         speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
@@ -213,6 +217,7 @@ def main() -> None:
     ap.add_argument("--cfg", action="store_true", help="also max(concurrency)/2 CFG pairs (cfg_scale 3)")
     ap.add_argument("--speech-worker-cls", help="stage-0 worker (A/B: vllm_omni.worker.gpu_ar_worker.GPUARWorker, the stock one)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
+    ap.add_argument("--no-step-graphs", action="store_true", help="stage 0 without its step graphs (same-build A/B)")
     ap.add_argument("--seed", type=int, help="every timed request of both engines seeded (the seeded sampling paths)")
     ap.add_argument("--omni-model-runner", choices=["v1", "v2"], default="v1", help="the omni-text stage's runner (V1 or Model Runner V2)")
     ap.add_argument("--previous", help="an earlier report of the same settings: its engines' results join this one's")

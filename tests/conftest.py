@@ -199,6 +199,15 @@ def worker_sum(omni, fn) -> int:
     return sum(flatten(omni.engine.collective_rpc("apply_model", args=(fn,), stage_ids=[0])))
 
 
+def step_graphs_eagerly(on: bool, model) -> int:
+    """Stage 0's steps as step graphs replay them (models/step_graphs.py), run eagerly (CPU; 3 and
+    4 rows pad to 5, 1 to 2), or not (False). For `worker_sum`."""
+    from vllm_omni_speechlm.models.step_graphs import run_eagerly
+
+    model.use_step_graphs(run_eagerly if on else None, [2, 5, 8])
+    return 0
+
+
 # --- the stage-0 -> stage-1 processor outside an engine -------------------------------------------
 
 

@@ -7,6 +7,7 @@ whole-clip decoding and the batch mode's decoding of the same codes (its hand-of
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import stage_configs
+from conftest import step_graphs_eagerly, worker_sum
 from stage_input_processors import speech_codec
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -55,10 +57,20 @@ def _batch_mode_audio(model_dir: str, stream_token_ids: list) -> torch.Tensor:
     return audio
 
 
-def test_fused_clips_equal_reference_and_batch_mode(gen, reference, tiny_bagpiper):
+@pytest.mark.parametrize("graphs", [False, True], ids=["ungraphed", "step-graphs"])
+def test_fused_clips_equal_reference_and_batch_mode(gen, reference, tiny_bagpiper, graphs):
     """3 concurrent requests whose audio starts at different steps (the text part's length
     varies): each returns text, tokens equal to the reference's, and the whole clip, T x 320
-    samples, equal to the reference's audio and to the batch mode's decoding."""
+    samples, equal to the reference's audio and to the batch mode's decoding; also when the
+    steps run as step graphs (3 rows padded to 5)."""
+    worker_sum(gen.omni, functools.partial(step_graphs_eagerly, graphs))
+    try:
+        _assert_fused_clips(gen, reference, tiny_bagpiper)
+    finally:
+        worker_sum(gen.omni, functools.partial(step_graphs_eagerly, False))
+
+
+def _assert_fused_clips(gen, reference, tiny_bagpiper) -> None:
     kws = [dict(modality="text+audio", max_text_tokens=2 + 12 * i, seed=7, max_tokens=110) for i in range(3)]
     # generate() takes one set of options per call; the speech options ride per request, so send
     # the three as one engine batch the way generate does.

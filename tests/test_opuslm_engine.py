@@ -2,12 +2,13 @@
 equal the reference, the drain included (the de-interleaved matrix is complete: exactly T frames,
 T = the number of SSL units before the eos)."""
 
+import functools
 import os
 
 import pytest
 import torch
 
-from conftest import worker_sum
+from conftest import step_graphs_eagerly, worker_sum
 from vllm_omni_speechlm.decoding import RowKind
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -83,9 +84,19 @@ def test_matches_reference(family, kw):
         assert_complete_drain(tokens, ref.codes, gen.cfg)
 
 
-def test_concurrent_requests_equal_solo_runs(family):
-    """8 requests of different modes in one batch, ending and draining at different steps."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["ungraphed", "step-graphs"])
+def test_concurrent_requests_equal_solo_runs(family, graphs):
+    """8 requests of different modes in one batch, ending and draining at different steps; also
+    with the steps run as step graphs replay them (padded batches as requests end)."""
     gen, reference = family
+    worker_sum(gen.omni, functools.partial(step_graphs_eagerly, graphs))
+    try:
+        _assert_batch_equals_solo_runs(gen, reference)
+    finally:
+        worker_sum(gen.omni, functools.partial(step_graphs_eagerly, False))
+
+
+def _assert_batch_equals_solo_runs(gen, reference) -> None:
     modes = ["audio", "text+audio", "auto", "audio"] * 2
     batch = []
     for i, mode in enumerate(modes):

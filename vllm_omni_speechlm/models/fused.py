@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 
@@ -68,26 +69,28 @@ class FusedCodecDecoding:
         return hist
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
-        sampled, step = self._step.sampled, self._step
+        step = self._step
+        decoding = step.sampled is not None or step.graphed  # else profiling / warm-up
         out = super().sample(logits, sampling_metadata)
-        if sampled is None:  # profiling / warm-up
+        if not decoding:
             return out
-        idx, slots = sampled
-        rows = [i for i, ok in enumerate(step.samples) if ok]
-        generated = step.generated[rows].tolist()  # host ints (numpy), no device read
+        rows = np.flatnonzero(step.samples)  # not partial prefill chunks
         token = out.sampled_token_ids[:, 0]
-        self._history()[slots, to_device(generated, token.device)] = token[idx].to(torch.int32)
-        ending = self._ending_rows(rows, generated)
+        if rows.size < token.shape[0]:
+            token = token[to_device(rows, token.device)]
+        index = to_device(np.stack([step.slots[rows], step.generated[rows]]), token.device)
+        self._history()[index[0], index[1]] = token.to(torch.int32)
+        ending = self._ending_rows(rows.tolist(), step.generated[rows].tolist(), token.device)
         if ending:
             self._emit_clips(ending, len(step.entries))
         return out
 
-    def _ending_rows(self, rows: list[int], generated: list[int]) -> list[tuple[int, int]]:
+    def _ending_rows(self, rows: list[int], generated: list[int], device: torch.device) -> list[tuple[int, int]]:
         """(row, tokens generated) of the rows whose request the engine stops after this step."""
         if not rows:
             return []
-        if self._frames_host.device.type == "cpu" and self._frames.device.type == "cuda":
-            torch.cuda.current_stream(self._frames.device).synchronize()  # the host copy queued in sample
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the host copy queued in sample
         token0 = self._frames_host[rows, 0]  # host tensor: no device read
         entries = [self._step.entries[i] for i in rows]
         limit = torch.tensor([min(e.params.max_tokens, self._max_model_len - e.prompt_len) for e in entries])

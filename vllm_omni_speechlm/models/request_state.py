@@ -50,18 +50,21 @@ class RequestTable:
         self.num_text_capable = 0  # live requests whose modality may produce text rows
         self.num_released = 0  # requests released so far (a step's rows read before are stale)
         self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
+        self.generation = -1  # allocations so far - 1 (step graphs hold the tensors' addresses)
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        d, s1 = self.device, self.cfg.num_streams - 1
-        self.capacity = capacity
+        """`capacity` slots and one scratch slot, which no request holds (step graphs' padding rows)."""
+        d, s1, rows = self.device, self.cfg.num_streams - 1, capacity + 1
+        self.capacity, self.scratch = capacity, capacity
+        self.generation += 1
         self.free = list(range(capacity - 1, -1, -1))
-        self.phase = torch.zeros(capacity, dtype=torch.long, device=d)
-        self.phase_step = torch.zeros(capacity, dtype=torch.long, device=d)  # steps in the current phase
-        self.mode = torch.zeros(capacity, dtype=torch.long, device=d)
-        self.ints = torch.zeros(capacity, 4, dtype=torch.long, device=d)  # text k, audio k, text budget, aux seed
-        self.floats = torch.ones(capacity, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
-        self.aux_history = torch.zeros(capacity, self.max_output_len, s1, dtype=torch.int32, device=d)
+        self.phase = torch.zeros(rows, dtype=torch.long, device=d)
+        self.phase_step = torch.zeros(rows, dtype=torch.long, device=d)  # steps in the current phase
+        self.mode = torch.zeros(rows, dtype=torch.long, device=d)
+        self.ints = torch.zeros(rows, 4, dtype=torch.long, device=d)  # text k, audio k, text budget, aux seed
+        self.floats = torch.ones(rows, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
+        self.aux_history = torch.zeros(rows, self.max_output_len, s1, dtype=torch.int32, device=d)
 
     def _grow(self) -> None:
         """Double the tables (more live requests than expected: preempted ones keep slots)."""
@@ -69,7 +72,7 @@ class RequestTable:
         n = self.capacity
         self._allocate(2 * n)
         for new, prev in zip((self.phase, self.phase_step, self.mode, self.ints, self.floats, self.aux_history), old):
-            new[:n] = prev
+            new[:n] = prev[:n]
         self.free = [s for s in self.free if s >= n]
 
     def __len__(self) -> int:

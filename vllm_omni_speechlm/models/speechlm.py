@@ -19,7 +19,9 @@ streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR run
 
 On CUDA the device math of these hooks runs as four `torch.compile`d functions (the `*_eager`
 methods; `compile_step_functions`), compiled in vLLM's warm-up: eagerly it is ~100 small kernel
-launches per step, the host's critical path at tens of requests.
+launches per step, the host's critical path at tens of requests. A step whose rows all sample
+and hold no CFG pair replays CUDA graphs of compute_logits and sample instead (`step_graphs.py`);
+the one after it, if it decodes the same rows, finds its aux input staged by them.
 
 The client sees one [1, S] row per sampled position under `codes.audio` (stream 0 and the
 auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, S]; the
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
-from vllm.config import CompilationMode, VllmConfig
+from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -50,6 +52,7 @@ from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable, to_device
+from vllm_omni_speechlm.models.step_graphs import Recorder, StepGraphs, cuda_graph
 from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
 
 logger = init_logger(__name__)
@@ -71,9 +74,9 @@ class StepRows:
     samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
     max_top_k: int | None = None  # over the entries; None: not known yet (compute_logits)
     num_released: int = 0  # the table's count of releases when the rows were read
-    # (rows, their slots) of the rows that sample; rows is slice(None) when all do (no gather)
-    sampled: tuple[slice | torch.Tensor, torch.Tensor] | None = None
+    sampled: slice | torch.Tensor | None = None  # the rows that sample; slice(None) when all do (no gather)
     index: torch.Tensor | None = None  # [2, N] device slots and output indices (compute_logits)
+    graphed: bool = False  # compute_logits replayed the step graphs
     guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
 
 
@@ -113,6 +116,19 @@ def _step_compile_backend(vllm_config: VllmConfig) -> str | None:
     return "inductor"
 
 
+STEP_GRAPHS_KEY = "speech_lm_step_graphs"  # additional_config switch (default on)
+
+
+def _step_graph_sizes(vllm_config: VllmConfig) -> list[int]:
+    """vLLM's capture sizes where the step functions compile and vLLM graphs the backbone, unless
+    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`)."""
+    graphs = vllm_config.compilation_config.cudagraph_mode
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    if _step_compile_backend(vllm_config) is None or graphs in (None, CUDAGraphMode.NONE) or not extra.get(STEP_GRAPHS_KEY, True):
+        return []
+    return list(vllm_config.compilation_config.cudagraph_capture_sizes or [])
+
+
 class SpeechLMForCausalLM(nn.Module):
     """Subclasses set `make_backbone` (a vLLM decoder stack with `embed_input_ids`)."""
 
@@ -146,11 +162,14 @@ class SpeechLMForCausalLM(nn.Module):
         self._table_shape = (2 * sched.max_num_seqs, vllm_config.model_config.max_model_len)
         self.table: RequestTable | None = None  # built on first use, on the weights' device
         self.rules: DecodingRules | None = None
+        self.graphs: StepGraphs | None = None  # built with the table where there are capture sizes
+        self._graph_sizes = _step_graph_sizes(vllm_config)
         self._step = StepRows()
         self._frames: torch.Tensor | None = None
         self._frames_host: torch.Tensor | None = None
         self.num_resumed = 0  # re-prefills after preemption (observability, tests)
         self.num_resumed_companions = 0
+        self.num_graph_staged_steps = 0  # steps whose aux input the step graphs staged
         self.compile_step_functions(_step_compile_backend(vllm_config))
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -182,7 +201,15 @@ class SpeechLMForCausalLM(nn.Module):
             device = self.lm_head.weight.device
             self.rules = DecodingRules(self.speech, device)
             self.table = RequestTable(self.speech, *self._table_shape, device)
+            if self._graph_sizes:
+                self.graphs = StepGraphs(self, self._graph_sizes)
         return self.table, self.rules
+
+    def use_step_graphs(self, record: Recorder | None = cuda_graph, sizes: list[int] | None = None) -> None:
+        """Step graphs recorded by `record` at `sizes` (default: vLLM's), or none (None)."""
+        self._state()
+        sizes = sizes or self._graph_sizes
+        self.graphs = StepGraphs(self, sizes, record) if record is not None and sizes else None
 
     # ---- inputs ---------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -212,8 +239,8 @@ class SpeechLMForCausalLM(nn.Module):
         table, _ = self._state()
         last = self._step
         step = self._step = StepRows(list(req_ids), computed=num_computed_tokens.astype(np.int64), scheduled=num_scheduled_tokens.astype(np.int64))
-        if step.req_ids == last.req_ids and table.num_released == last.num_released:
-            # The last step's batch (a decode step's usual case): its rows as that step left them.
+        same_rows = step.req_ids == last.req_ids and table.num_released == last.num_released
+        if same_rows:  # the last step's batch (a decode step's usual case): its rows as that step left them
             step.entries, step.slots, step.prompt_len, step.max_top_k = last.entries, last.slots, last.prompt_len, last.max_top_k
         else:
             self._read_rows(step, table)
@@ -222,6 +249,9 @@ class SpeechLMForCausalLM(nn.Module):
             if step.entries[i] is not None:
                 self.num_resumed += 1
                 self.num_resumed_companions += step.entries[i].guided_by is not None
+        if same_rows and last.graphed and (step.scheduled == 1).all():
+            self.num_graph_staged_steps += 1  # each row feeds what it sampled: the step graphs staged it
+            return input_ids, positions
         row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
         index = to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
         self._aux_input[: row.size] = self._staged_aux(index)
@@ -284,10 +314,9 @@ class SpeechLMForCausalLM(nn.Module):
         # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
         # to the host once, in `sample` (one tiny synchronous copy per request per step halved
         # throughput at 512 requests); `runner.py` passes the host copy on whole, and vllm-omni's
-        # generic paths get per-row views of it. Fresh buffers per step: they are read after the
-        # next step began.
+        # generic paths get per-row views of it. A fresh host buffer per step: it is read after
+        # the next step began.
         shape, device = (len(step.entries), self.speech.num_streams), model_outputs.device
-        self._frames = torch.zeros(shape, dtype=torch.long, device=device)
         self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
         frames = FrameRows(host, step.samples)
         codes = frames if kwargs.get(FRAME_ROWS_KWARG) else [frames.row(i) for i in range(len(step.samples))]
@@ -315,33 +344,62 @@ class SpeechLMForCausalLM(nn.Module):
         h = hidden[None, :, :] + self.stream_embeddings.weight[1:, None, :]  # [S-1, N, H]
         return torch.bmm(h, weight.transpose(1, 2)).transpose(0, 1)
 
-    def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor | None:
-        step, n = self._step, hidden_states.shape[0]
-        h0 = hidden_states
+    def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] raw stream-0 logits."""
         if self.speech.primary_stream_embedding:
-            h0 = hidden_states + self.stream_embeddings.weight[0]
-        raw = self.logits_processor(self.lm_head, h0)
-        step.sampled = None
-        if len(step.entries) != n or self._frames is None:  # profiling / warm-up: no requests
+            hidden = hidden + self.stream_embeddings.weight[0]
+        return self.logits_processor(self.lm_head, hidden)
+
+    def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor | None:
+        step, n, device = self._step, hidden_states.shape[0], hidden_states.device
+        step.sampled, step.graphed = None, False
+        if len(step.entries) != n or self._frames_host is None:  # profiling / warm-up: no requests
+            raw = self._raw_logits(hidden_states)
             if self._step_backend is not None and n >= 4:
                 self._warm_up_step_functions(hidden_states, raw)
             return raw
         table, _ = self._state()
-        index = to_device(np.stack([step.slots, step.generated]), raw.device)  # [2, N], one copy
-        slots, generated = index
-        generated.clamp_(max=table.max_output_len - 1)
-        step.guided = self._guided_rows(step, raw.device) if table.num_companions else None
-        noise = self._global_aux_noise(n, raw.device)
         if step.max_top_k is None:
             step.max_top_k = max(e.max_top_k for e in step.entries)
-        max_top_k = step.max_top_k
-        raw, kinds, aux = self._decode_rows(hidden_states, raw, index, max_top_k, noise, step.guided)
-        self._frames[:, 1:] = aux
+        generated = np.minimum(step.generated, table.max_output_len - 1)
+        no_text_rows = table.num_text_capable == 0
+        step.guided = self._guided_rows(step, device) if table.num_companions else None
+        all_sample = all(step.samples)
+        if self.graphs is not None and step.guided is None and all_sample:
+            logits = self.graphs.logits(hidden_states, step.slots, generated, step.max_top_k, no_text_rows)
+            if logits is not None:
+                step.graphed = True
+                return logits
+        step.index = to_device(np.stack([step.slots, generated]), device)  # [2, N], one copy
         # Rows that really sample (not a partial prefill chunk) update the request's state.
-        idx = slice(None) if all(step.samples) else to_device(np.flatnonzero(step.samples), raw.device)
-        step.sampled, step.index = (idx, slots[idx]), index
-        table.aux_history[slots[idx], generated[idx]] = aux[idx]
-        return self._primary_logits(raw, kinds, index, max_top_k, table.num_text_capable == 0)
+        step.sampled = slice(None) if all_sample else to_device(np.flatnonzero(step.samples), device)
+        self._frames = torch.zeros(n, self.speech.num_streams, dtype=torch.long, device=device)
+        return self._logits_step(hidden_states, step.index, step.max_top_k, no_text_rows, step.guided, self._frames, step.sampled)
+
+    def _logits_step(
+        self,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        max_top_k: int,
+        no_text_rows: bool,
+        guided: tuple | None,
+        frames: torch.Tensor,
+        rows: slice | torch.Tensor,
+    ) -> torch.Tensor:
+        """compute_logits' device work (also the body of a step graph): [N, H] hidden states, [2, N]
+        slots and output indices -> [N, V] what vLLM's sampler gets; writes the aux streams into
+        [N, S] `frames` and, for the sampling `rows`, into the aux history."""
+        raw = self._raw_logits(hidden)
+        noise = self._global_aux_noise(hidden.shape[0], hidden.device)
+        raw, kinds, aux = self._decode_rows(hidden, raw, index, max_top_k, noise, guided)
+        frames[:, 1:] = aux
+        self.table.aux_history[index[0][rows], index[1][rows]] = aux[rows]
+        return self._primary_logits(raw, kinds, index, max_top_k, no_text_rows)
+
+    def _stage_next_aux(self, aux: torch.Tensor) -> None:
+        """[N, S-1] this step's aux streams -> the next step's aux input, should it decode the same
+        rows (a step graph's tail; prepare_runner_inputs restages any other step)."""
+        self._aux_input[: aux.shape[0]] = self._aux_embeds(aux)
 
     def _global_aux_noise(self, n: int, device: torch.device) -> torch.Tensor:
         """[N, S-1, W] Exp(1) noise from the global RNG (`_decode_rows` gives seeded rows their own)."""
@@ -449,21 +507,30 @@ class SpeechLMForCausalLM(nn.Module):
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         out = self.sampler(logits, sampling_metadata)
-        if self._step.sampled is None:
+        step, sampled = self._step, out.sampled_token_ids
+        if step.graphed:
+            token, frames = self.graphs.advance(sampled), self.graphs.frames[: sampled.shape[0]]
+        elif step.sampled is not None:
+            if step.guided is not None:  # in place: vLLM feeds these ids to the next step
+                main, companion, _ = step.guided
+                sampled[companion] = sampled[main]
+            token, frames = self._advance_step(sampled, step.index, step.sampled, self._frames), self._frames
+        else:
             return out
-        idx, slots = self._step.sampled
-        table, _ = self._state()
-        if self._step.guided is not None:  # in place: vLLM feeds these ids to the next step
-            main, companion, _ = self._step.guided
-            out.sampled_token_ids[companion] = out.sampled_token_ids[main]
-        token, phase, phase_step = self._advance_rows(out.sampled_token_ids, self._step.index, idx)
-        out.sampled_token_ids[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
-        self._frames[:, 0] = token
+        sampled[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
-        self._frames_host.copy_(self._frames, non_blocking=True)
-        table.phase[slots], table.phase_step[slots] = phase, phase_step
-        self._step.sampled = None
+        self._frames_host.copy_(frames, non_blocking=True)
+        step.sampled = None
         return out
+
+    def _advance_step(self, sampled: torch.Tensor, index: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """sample's device work (also the body of a step graph): [N, 1] sampled ids -> [N] emitted
+        ids, written into stream 0 of `frames`; the sampling `rows` advance their phases."""
+        token, phase, phase_step = self._advance_rows(sampled, index, rows)
+        frames[:, 0] = token
+        slots = index[0][rows]
+        self.table.phase[slots], self.table.phase_step[slots] = phase, phase_step
+        return token
 
     def _advance_rows_eager(
         self, sampled: torch.Tensor, index: torch.Tensor, idx: slice | torch.Tensor

@@ -1,0 +1,152 @@
+"""CUDA graphs of a speech LM step after the backbone.
+
+vLLM graphs the backbone. What follows it (LM head, phase machine, aux-stream sampling, the
+stream-0 logits vLLM's sampler gets, then the emitted ids and next phases) is three
+`torch.compile`d calls and a dozen eager ops per step. At 64 requests on an H100 host the
+compiled-call path alone was 13% of the engine core's busy time (dynamo, AOT wrappers, Triton
+launchers), and that step is host-bound. Here a step whose rows all sample and hold no CFG pair
+replays two graphs around vLLM's sampler:
+
+    logits   [n, H] hidden states, rows' slots and output indices -> [n, V] stream-0 logits;
+             writes the frames' aux streams, the aux history and next step's staged aux input
+    advance  [n, 1] sampled stream-0 ids -> [n] emitted ids; writes the frames' stream 0 and
+             the rows' next phases
+
+Batches are padded to the next of vLLM's capture sizes; padding rows read and write the
+request table's scratch slot. A graph is recorded the first time its key (size, top-k width,
+text rows or not) is met, into one memory pool for all of them with outputs held weakly (vLLM's
+own scheme): replays share one size's worth of memory, as the steps never overlap.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import weak_ref_tensors
+
+from vllm_omni_speechlm.models.request_state import to_device
+
+logger = init_logger(__name__)
+
+Recorder = Callable[[Callable[[], Any], Any], Callable[[], Any]]
+
+
+def cuda_graph(fn: Callable[[], Any], pool: Any) -> Callable[[], Any]:
+    """Record `fn` as a CUDA graph in `pool` -> a replay returning its outputs (held weakly). It
+    runs once first, on the capture stream: a recompile or lazy init must not happen in capture."""
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = weak_ref_tensors(fn())
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def run_eagerly(fn: Callable[[], Any], pool: Any) -> Callable[[], Any]:
+    """The recorder of CPU tests: the same padded static-buffer step, run each time."""
+    return fn
+
+
+@dataclass
+class _Graphs:
+    logits: Callable[[], torch.Tensor]
+    advance: Callable[[], torch.Tensor]
+
+
+class StepGraphs:
+    """Static inputs and the recorded graphs of one model (see the module docstring). The model
+    supplies the bodies: `_logits_step`, `_advance_step`, `_stage_next_aux`."""
+
+    def __init__(self, model: Any, sizes: Sequence[int], record: Recorder = cuda_graph):
+        self.model, self.record = model, record
+        self.sizes = sorted(set(sizes))
+        m, device = self.sizes[-1], model.lm_head.weight.device
+        self.hidden = torch.zeros(m, model.lm_head.weight.shape[1], dtype=model.lm_head.weight.dtype, device=device)
+        self._index = torch.zeros(2 * m, dtype=torch.long, device=device)  # [2, size] views, contiguous
+        self.sampled = torch.zeros(m, 1, dtype=torch.int32, device=device)
+        self.frames = torch.zeros(m, model.speech.num_streams, dtype=torch.long, device=device)
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self._graphs: dict[tuple, _Graphs] = {}
+        self._table_generation = -1
+        self._current: _Graphs | None = None
+        self.num_replays = 0  # steps that replayed the graphs (tests, observability)
+
+    def padded(self, n: int) -> int | None:
+        """The capture size a batch of n rows runs at, or None (larger than all of them)."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def index(self, size: int) -> torch.Tensor:
+        return self._index[: 2 * size].view(2, size)
+
+    def logits(self, hidden: torch.Tensor, slots: np.ndarray, generated: np.ndarray, max_top_k: int, no_text_rows: bool) -> torch.Tensor | None:
+        """Replay the logits graph for these rows -> [n, V] stream-0 logits; None when the batch
+        has no graph (too large, or recording failed)."""
+        n, size = hidden.shape[0], self.padded(hidden.shape[0])
+        graphs = None if size is None else self._graphs_for((size, max_top_k, no_text_rows))
+        if graphs is None:
+            return None
+        index = np.zeros((2, size), dtype=np.int64)  # padding rows: the scratch slot, output 0
+        index[0] = self.model.table.scratch
+        index[0, :n], index[1, :n] = slots, generated
+        self.index(size).copy_(to_device(index, hidden.device), non_blocking=True)
+        self.hidden[:n].copy_(hidden)
+        self._current = graphs
+        self.num_replays += 1
+        return graphs.logits()[:n]
+
+    def advance(self, sampled: torch.Tensor) -> torch.Tensor:
+        """Replay the advance graph of the step `logits` ran -> [n] emitted stream-0 ids."""
+        n = sampled.shape[0]
+        self.sampled[:n].copy_(sampled)
+        graphs, self._current = self._current, None
+        return graphs.advance()[:n]
+
+    def _graphs_for(self, key: tuple) -> _Graphs | None:
+        table = self.model.table
+        if table.generation != self._table_generation:  # the table grew: graphs hold old addresses
+            self._graphs.clear()
+            self._table_generation = table.generation
+        graphs = self._graphs.get(key)
+        if graphs is None and self.record is not None:
+            graphs = self._graphs[key] = self._record(*key)
+        return graphs
+
+    def _record(self, size: int, max_top_k: int, no_text_rows: bool) -> _Graphs | None:
+        """Record both graphs of a key. Their first (eager) runs touch only the scratch slot."""
+        model, index = self.model, self.index(size)
+        index[0], index[1] = model.table.scratch, 0
+        hidden, sampled, frames = self.hidden[:size], self.sampled[:size], self.frames[:size]
+
+        def logits() -> torch.Tensor:
+            out = model._logits_step(hidden, index, max_top_k, no_text_rows, None, frames, slice(None))
+            model._stage_next_aux(frames[:, 1:])
+            return out
+
+        def advance() -> torch.Tensor:
+            return model._advance_step(sampled, index, slice(None), frames)
+
+        try:
+            graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))
+        except Exception:
+            logger.exception("speech LM step graphs: recording failed; steps run without them")
+            self.record = None
+            return None
+        logger.info("speech LM step graphs recorded: %d rows, top-k width %d, text rows %s", size, max_top_k, not no_text_rows)
+        return graphs
