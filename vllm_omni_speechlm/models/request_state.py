@@ -50,7 +50,7 @@ class RequestTable:
         self.num_text_capable = 0  # live requests whose modality may produce text rows
         self.num_released = 0  # requests released so far (a step's rows read before are stale)
         self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
-        self.generation = -1  # allocations so far - 1 (step graphs hold the tensors' addresses)
+        self.generation = -1  # bumped by each allocation (step graphs hold the tables' addresses)
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
