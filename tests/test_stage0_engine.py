@@ -112,7 +112,7 @@ def _compile_step_functions(backend, model) -> int:
 def _warm_up(model, warm_up) -> None:
     threads = torch.get_num_threads()  # the warm-up sets vLLM's serving count
     with torch.inference_mode():  # as vLLM runs its dummy sampler run
-        hidden = torch.randn(8, model.lm_head.weight.shape[1])
+        hidden = torch.randn(8, model.lm_head.weight.shape[1], device=model.lm_head.weight.device)
         warm_up(hidden, model.logits_processor(model.lm_head, hidden))
     torch.set_num_threads(threads)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import worker_sum
-from test_stage0_engine import PROMPTS, _assert_batch_equals_solo_runs, _assert_same, _reference
+from test_stage0_engine import PROMPTS, _assert_batch_equals_solo_runs, _assert_same, _compile_step_functions, _reference
 
 ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
 SIZES = [2, 5, 8]  # 1 row runs padded to 2, 3 and 4 rows to 5: padding rows on the scratch slot
@@ -43,11 +43,7 @@ def _use_graphs(recorder: str | None, backend: str | None, model) -> int:
     (None: off)."""
     from vllm_omni_speechlm.models.step_graphs import cuda_graph, run_eagerly
 
-    model.compile_step_functions(backend)
-    if backend is not None:
-        with torch.inference_mode():  # as vLLM's dummy sampler run
-            hidden = torch.randn(8, model.lm_head.weight.shape[1], device=model.lm_head.weight.device)
-            model._compile_step_functions_now(hidden, model._raw_logits(hidden))
+    _compile_step_functions(backend, model)
     model.use_step_graphs({"eager": run_eagerly, "cuda": cuda_graph, None: None}[recorder], SIZES)
     return 0
 

@@ -78,9 +78,10 @@ class FusedCodecDecoding:
         token = out.sampled_token_ids[:, 0]
         if rows.size < token.shape[0]:
             token = token[to_device(rows, token.device)]
-        index = to_device(np.stack([step.slots[rows], step.generated[rows]]), token.device)
+        generated = step.generated[rows]
+        index = to_device(np.stack([step.slots[rows], generated]), token.device)
         self._history()[index[0], index[1]] = token.to(torch.int32)
-        ending = self._ending_rows(rows.tolist(), step.generated[rows].tolist(), token.device)
+        ending = self._ending_rows(rows.tolist(), generated.tolist(), token.device)
         if ending:
             self._emit_clips(ending, len(step.entries))
         return out
