@@ -1,18 +1,26 @@
-"""Host time of stage 0's scheduler per decode step: vllm-omni's AR scheduler against the same
-scheduler with the short path for steady decode rows (vllm_omni_speechlm/steady_rows.py).
+"""Host time of stage 0's scheduler per decode step, against vLLM's own scheduler (the text LM's).
 
     python benchmarks/scheduler_update.py --out results.json [--concurrency 64 512]
 
-No model and no GPU: real schedulers (async variant, as on GPUs) over a tiny checkpoint's config
+No model and no GPU: real schedulers (async variants, as on GPUs) over a tiny checkpoint's config
 are driven like vLLM's EngineCore with one step in flight, and fed runner outputs of one sampled
-token per request per step; every request generates --gen-len tokens (eos ignored). Reported per
-concurrency: mean microseconds per step of `schedule()` and of `update_from_output()` in the
-steady decode window (prefill and tail steps excluded). Prints and saves JSON.
+token per request per step; every request generates --gen-len tokens (eos ignored). Per
+concurrency, each scheduler's mean microseconds per step of `schedule()` and of
+`update_from_output()` in the steady decode window (prefill and tail steps excluded):
+
+* `vllm`: vLLM's AsyncScheduler, what the plain text LM runs;
+* `vllm_omni`: vllm-omni's AR scheduler;
+* `steady_rows`: the same with the short path for steady decode rows (steady_rows.py);
+* `stage0`: stage 0's scheduler (scheduling.py: paired CFG, steady rows, client frame blocks),
+  fed the runner's step frame buffer as on GPUs.
+
+All with the same scheduler and cache settings (prefix caching off). Prints and saves JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -23,13 +31,19 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
 from vllm_omni.outputs import OmniModelRunnerOutput
 from vllm_omni.request import OmniRequest
 
+from vllm_omni_speechlm.client_frames import StepOutputs
 from vllm_omni_speechlm.make_tiny import make_tiny
+from vllm_omni_speechlm.models.speechlm import FrameRows
+from vllm_omni_speechlm.scheduling import PairedCFGAsyncScheduler
 from vllm_omni_speechlm.steady_rows import SteadyRowsMixin
 
 BLOCK = 16
@@ -72,12 +86,22 @@ def _scheduler(cls, vllm_config: VllmConfig):
     )
 
 
+SCHEDULERS = {
+    "vllm": AsyncScheduler,
+    "vllm_omni": OmniARAsyncScheduler,
+    "steady_rows": SteadyAsyncScheduler,
+    "stage0": PairedCFGAsyncScheduler,
+}
+
+
 def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
+    gc.collect()  # the previous run's requests, not this run's steps
     scheduler = _scheduler(cls, vllm_config)
     for i in range(n):
         params = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
         prompt = [(i + j) % 100 for j in range(args.prompt_len)]
-        scheduler.add_request(OmniRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params, pooling_params=None, arrival_time=0.0))
+        request_cls = Request if cls is AsyncScheduler else OmniRequest
+        scheduler.add_request(request_cls(f"r{i}", prompt_token_ids=prompt, sampling_params=params, pooling_params=None, arrival_time=0.0))
     schedule_us, update_us, in_flight = [], [], []
     while scheduler.has_unfinished_requests() or in_flight:
         if scheduler.has_unfinished_requests():
@@ -87,12 +111,7 @@ def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
         if len(in_flight) == 2 or not scheduler.has_unfinished_requests():
             output = in_flight.pop(0)
             ids = list(output.num_scheduled_tokens)
-            runner_output = OmniModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[101] for _ in ids],
-                multimodal_outputs=[None] * len(ids),
-            )
+            runner_output = _runner_output(cls, ids)
             start = time.perf_counter()
             scheduler.update_from_output(output, runner_output)
             update_us.append((time.perf_counter() - start) * 1e6)
@@ -106,6 +125,17 @@ def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
     return result
 
 
+def _runner_output(cls, ids: list[str]):
+    """One sampled token per row; stage 0's runner also hands over the step's frame buffer."""
+    common = dict(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[101] for _ in ids])
+    if cls is AsyncScheduler:
+        return ModelRunnerOutput(**common)
+    if cls is PairedCFGAsyncScheduler:
+        frames = FrameRows(torch.zeros(len(ids), 8, dtype=torch.int64), [True] * len(ids))
+        return OmniModelRunnerOutput(**common, multimodal_outputs=StepOutputs(frames, None))
+    return OmniModelRunnerOutput(**common, multimodal_outputs=[None] * len(ids))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -117,13 +147,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         make_tiny("bagpiper", model_dir, seed=0)
         vllm_config = _vllm_config(model_dir, args)
-        results = {}
-        for n in args.concurrency:
-            plain = _run(OmniARAsyncScheduler, vllm_config, n, args)
-            steady = _run(SteadyAsyncScheduler, vllm_config, n, args)
-            saved = plain["update_from_output_us"] - steady["update_from_output_us"]
-            print(f"concurrency {n:4d}: steady rows save {saved:.0f} us of update_from_output per step", flush=True)
-            results[str(n)] = {"vllm_omni": plain, "steady_rows": steady, "update_saved_us": saved}
+        results = {str(n): {name: _run(cls, vllm_config, n, args) for name, cls in SCHEDULERS.items()} for n in args.concurrency}
     report = {
         "benchmark": "scheduler_update",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -157,5 +157,6 @@ def test_scheduler_update_benchmark_runs(tmp_path):
     cmd = [sys.executable, str(script), "--out", str(out), "--concurrency", "4", "--prompt-len", "8", "--gen-len", "12"]
     subprocess.run(cmd, check=True, timeout=300)
     result = json.loads(out.read_text())["results"]["4"]
-    for run in ("vllm_omni", "steady_rows"):
+    assert set(result) == {"vllm", "vllm_omni", "steady_rows", "stage0"}
+    for run in result:
         assert result[run]["steps"] >= 12 and result[run]["update_from_output_us"] > 0
