@@ -97,10 +97,10 @@ SCHEDULERS = {
 def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
     gc.collect()  # the previous run's requests, not this run's steps
     scheduler = _scheduler(cls, vllm_config)
+    request_cls = Request if cls is AsyncScheduler else OmniRequest
     for i in range(n):
         params = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
         prompt = [(i + j) % 100 for j in range(args.prompt_len)]
-        request_cls = Request if cls is AsyncScheduler else OmniRequest
         scheduler.add_request(request_cls(f"r{i}", prompt_token_ids=prompt, sampling_params=params, pooling_params=None, arrival_time=0.0))
     schedule_us, update_us, in_flight = [], [], []
     while scheduler.has_unfinished_requests() or in_flight:
@@ -111,7 +111,7 @@ def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
         if len(in_flight) == 2 or not scheduler.has_unfinished_requests():
             output = in_flight.pop(0)
             ids = list(output.num_scheduled_tokens)
-            runner_output = _runner_output(cls, ids)
+            runner_output = _runner_output(scheduler, ids)
             start = time.perf_counter()
             scheduler.update_from_output(output, runner_output)
             update_us.append((time.perf_counter() - start) * 1e6)
@@ -125,13 +125,13 @@ def _run(cls, vllm_config: VllmConfig, n: int, args) -> dict:
     return result
 
 
-def _runner_output(cls, ids: list[str]):
+def _runner_output(scheduler, ids: list[str]):
     """One sampled token per row; stage 0's runner also hands over the step's frame buffer."""
     common = dict(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[101] for _ in ids])
-    if cls is AsyncScheduler:
+    if type(scheduler) is AsyncScheduler:
         return ModelRunnerOutput(**common)
-    if cls is PairedCFGAsyncScheduler:
-        frames = FrameRows(torch.zeros(len(ids), 8, dtype=torch.int64), [True] * len(ids))
+    if isinstance(scheduler, PairedCFGAsyncScheduler):
+        frames = FrameRows(torch.zeros(len(ids), scheduler.speech.num_streams, dtype=torch.int64), [True] * len(ids))
         return OmniModelRunnerOutput(**common, multimodal_outputs=StepOutputs(frames, None))
     return OmniModelRunnerOutput(**common, multimodal_outputs=[None] * len(ids))
 
