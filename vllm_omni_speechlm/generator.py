@@ -59,10 +59,12 @@ class SpeechLMGenerator:
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, deploy_config: str | None = None, **engine_kwargs: Any):
-        from vllm_omni_speechlm import plugin
+        from vllm_omni_speechlm import compat, plugin
 
         plugin.register()  # this process resolves the pipeline; workers load it by entry point
         from vllm_omni import Omni
+
+        compat.pass_parallel_stage_init_from_deploy()
 
         self.model_dir = str(model_dir)
         self.cfg = SpeechLMConfig.from_model_dir(self.model_dir)

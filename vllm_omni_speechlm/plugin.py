@@ -1,9 +1,12 @@
 """`vllm.general_plugins` entry point: runs in the API server, every EngineCore and worker."""
 
 import os
+import sys
 
 # Set (by the test suite) to also register the platform self-test pipelines.
 SELFTEST_ENV = "SPEECHLM_SELFTEST_PIPELINES"
+# vllm-omni's engine, loaded where stages are started (`vllm serve --omni`, `Omni(...)`).
+ENGINE_MODULE = "vllm_omni.engine.omni_engine_base"
 
 
 def register() -> None:
@@ -11,9 +14,11 @@ def register() -> None:
     models through the latter) and pipelines; in the API server also the OpenAI routes
     (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
     register_speech_lms()
-    from vllm_omni_speechlm import serving
+    from vllm_omni_speechlm import compat, serving
 
     serving.register()
+    if ENGINE_MODULE in sys.modules:  # the process that starts the stages (API server, offline driver)
+        compat.pass_parallel_stage_init_from_deploy()
     if os.environ.get(SELFTEST_ENV) == "1":  # tests/test_cpu_platform*.py; selected only by name
         from vllm_omni_speechlm.platforms import selftest
 

