@@ -172,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint on CPU")
-    ap.add_argument("--starts", type=int, default=2, help="starts per engine: the first cold, the rest warm")
+    ap.add_argument("--starts", type=int, default=2, help="starts per engine (cold while its caches under --workdir are empty)")
     ap.add_argument("--requests", type=int, default=10, help="sequential requests after each start")
     ap.add_argument("--gen-len", type=int, default=60, help="stream-0 steps per speech request (tokens per text one)")
     ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
@@ -204,7 +204,7 @@ def main() -> None:
         report["starts"] = json.loads(Path(args.out).read_text())["starts"]
     for name in args.engines:
         caches = work / "cache" / name
-        for i in range(args.starts):
+        for _ in range(args.starts):
             label = f"{name} {'warm' if caches.exists() else 'cold'} {len(report['starts']) + 1}"
             try:
                 result = start_once(engines[name], work / f"{label.replace(' ', '-')}.log", cache_env(caches), args)
