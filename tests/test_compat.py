@@ -105,3 +105,12 @@ def test_vllm_omni_engine_reads_the_keyword_the_hook_passes():
     assert init._reads_deploy_parallel_stage_init and not hasattr(init.__wrapped__, "__wrapped__")
     assert 'kwargs.get("parallel_stage_init")' in inspect.getsource(init.__wrapped__)
     assert "parallel_stage_init" not in {f.name for f in dataclasses.fields(DeployConfig)}
+
+
+def test_a_deploy_plan_rejects_a_bad_parallel_stage_init(tmp_path):
+    from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.deploy_checks import DeployPlan
+
+    plugin.register()
+    with pytest.raises(ValueError, match="parallel_stage_init: expected true or false, got 1"):
+        DeployPlan.from_yaml(_deploy(tmp_path, parallel_stage_init=1))

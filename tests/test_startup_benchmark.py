@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,6 +49,14 @@ def drop_sampler_jit_warmup(model_runner: Any) -> list[str]:
 PARALLEL_STAGE_INIT_KEY = "parallel_stage_init"
 
 
+def parallel_stage_init_of(deploy: dict[str, Any], path: str) -> bool | None:
+    """`parallel_stage_init` of a loaded deploy YAML (None: not set); a non-bool is an error."""
+    value = deploy.get(PARALLEL_STAGE_INIT_KEY)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"deploy config {path}: {PARALLEL_STAGE_INIT_KEY}: expected true or false, got {value!r}")
+    return value
+
+
 def deploy_parallel_stage_init(path: str | None) -> bool | None:
     """The deploy YAML's `parallel_stage_init` (None: not set, or no YAML)."""
     if not path:
@@ -56,10 +64,7 @@ def deploy_parallel_stage_init(path: str | None) -> bool | None:
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        value = (yaml.safe_load(f) or {}).get(PARALLEL_STAGE_INIT_KEY)
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"deploy config {path}: {PARALLEL_STAGE_INIT_KEY}: expected true or false, got {value!r}")
-    return value
+        return parallel_stage_init_of(yaml.safe_load(f) or {}, path)
 
 
 def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:

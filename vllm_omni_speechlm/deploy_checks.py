@@ -28,7 +28,7 @@ from typing import Any
 
 from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
-from vllm_omni_speechlm.compat import deploy_parallel_stage_init
+from vllm_omni_speechlm.compat import parallel_stage_init_of
 from vllm_omni_speechlm.config import SpeechLMConfig
 
 WINDOW_DEFAULTS = {
@@ -191,7 +191,7 @@ class DeployPlan:
                 f"deploy config {path}: async_chunk is true but pipeline {name!r} has no async-chunk processor "
                 "(it has nothing to stream to); set async_chunk: false or use pipeline bagpiper_two_stage"
             )
-        deploy_parallel_stage_init(str(path))  # a bad value fails here, not in the engine
+        parallel_stage_init_of(deploy, str(path))  # a bad value fails here, not in the engine
         for conn_name, conn in (deploy.get("connectors") or {}).items():
             try:
                 window_settings((conn or {}).get("extra"))
