@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 
-from stage0_throughput import OMNI_TEXT_DEPLOY, _engine_settings, _prompts
+from stage0_throughput import OMNI_TEXT_DEPLOY, _engine_settings, _prompts, use_selftest_pipelines
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -57,7 +57,7 @@ def trace_text_lm(model_dir: str, trace_dir: str, args) -> None:
 
 
 def trace_speech_lm(model_dir: str, trace_dir: str, args) -> None:
-    import stage_configs
+    from vllm_omni_speechlm import stage_configs
 
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
@@ -67,9 +67,7 @@ def trace_speech_lm(model_dir: str, trace_dir: str, args) -> None:
 
 def trace_omni_text_lm(model_dir: str, trace_dir: str, args) -> None:
     """The plain text LM as a vllm-omni AR stage (stage0_throughput's omni-text run)."""
-    from vllm_omni_speechlm import plugin
-
-    os.environ[plugin.SELFTEST_ENV] = "1"
+    use_selftest_pipelines()
     deploy = os.path.join(model_dir, "omni_text.yaml")
     with open(deploy, "w") as f:
         f.write(OMNI_TEXT_DEPLOY)

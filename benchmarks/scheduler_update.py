@@ -11,7 +11,7 @@ concurrency, each scheduler's mean microseconds per step of `schedule()` and of
 * `vllm`: vLLM's AsyncScheduler, what the plain text LM runs;
 * `vllm_omni`: vllm-omni's AR scheduler;
 * `steady_rows`: the same with the short path for steady decode rows (steady_rows.py);
-* `stage0`: stage 0's scheduler (scheduling.py: paired CFG, steady rows, client frame blocks),
+* `stage0`: stage 0's scheduler (stage0/scheduler.py: paired CFG, steady rows, client frame blocks),
   fed the runner's step frame buffer as on GPUs.
 
 All with the same scheduler and cache settings (prefix caching off). Prints and saves JSON.
@@ -40,11 +40,10 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
 from vllm_omni.outputs import OmniModelRunnerOutput
 from vllm_omni.request import OmniRequest
 
-from vllm_omni_speechlm.client_frames import StepOutputs
 from vllm_omni_speechlm.make_tiny import make_tiny
-from vllm_omni_speechlm.models.speechlm import FrameRows
-from vllm_omni_speechlm.scheduling import PairedCFGAsyncScheduler
-from vllm_omni_speechlm.steady_rows import SteadyRowsMixin
+from vllm_omni_speechlm.frames import FrameRows, StepOutputs
+from vllm_omni_speechlm.stage0.scheduler import PairedCFGAsyncScheduler
+from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 
 BLOCK = 16
 

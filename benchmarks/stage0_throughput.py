@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -46,7 +47,7 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def _batch(args, n: int, gen: int, repeat: int) -> list[list[int]]:
     """The prompts of one timed run, new for every run: the text LM's prefix cache would otherwise
     skip almost all of its prefill from a batch's second run on, while the speech LM runs without
-    one (README). Both engines get the same prompts."""
+    one (docs/architecture.md). Both engines get the same prompts."""
     return _prompts(n, args.prompt_len, seed=(gen * 10_000 + n) * 100 + repeat)
 
 
@@ -121,13 +122,21 @@ stages:
 """
 
 
+def use_selftest_pipelines() -> None:
+    """Register devtools' self-test pipelines here and in every engine process this one starts."""
+    from vllm_omni_speechlm import plugin
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ[plugin.EXTRA_PLUGIN_ENV] = "devtools.selftest_pipelines"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, root)
+    plugin.register()
+
+
 def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict[int, dict]]:
     from vllm_omni import Omni
 
-    from vllm_omni_speechlm import plugin
-
-    os.environ[plugin.SELFTEST_ENV] = "1"
-    plugin.register()
+    use_selftest_pipelines()
     deploy = os.path.join(model_dir, "omni_text.yaml")
     with open(deploy, "w") as f:
         f.write(OMNI_TEXT_DEPLOY + f"model_runner: {args.omni_model_runner}\n")
@@ -141,12 +150,12 @@ def bench_omni_text_lm(model_dir: str, args) -> dict[int, dict[int, dict]]:
 def bench_speech_lm(model_dir: str, args) -> dict:
     """Plain audio requests at each concurrency, then (--cfg) max(concurrency)/2 guided requests
     (cfg_scale 3): as many decode rows as the largest plain run, half of them hidden companions."""
-    import stage_configs
+    from vllm_omni_speechlm import stage_configs
     from vllm import SamplingParams
     from vllm_omni import Omni
 
     from vllm_omni_speechlm import plugin
-    from vllm_omni_speechlm.models.speechlm import STEP_GRAPHS_KEY
+    from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # devtools
 from streaming_latency import GPU_SHARE, device_name, write_checkpoint, write_deploy  # noqa: E402
 
-from vllm_omni_speechlm.serving.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
+from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 
 # Durations logged by vLLM and by this project: phase -> pattern with the seconds as group 1.
 PHASES = {

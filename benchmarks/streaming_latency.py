@@ -72,7 +72,7 @@ def write_checkpoint(root: str, tiny: bool, seed: int = 0) -> str:
 
 def write_deploy(mode: str, args, path: str) -> str:
     """The mode's shipped YAML with the dummy-checkpoint overrides, written to `path`."""
-    import stage_configs
+    from vllm_omni_speechlm import stage_configs
 
     name = DEPLOY[mode].replace(".yaml", "_cpu_tiny.yaml") if args.tiny else DEPLOY[mode]
     with open(stage_configs.path(name)) as f:

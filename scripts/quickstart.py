@@ -17,7 +17,7 @@ import wave
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]  # the client example; devtools
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM's CPU default is refused on small VMs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,9 +35,9 @@ def main() -> int:
     import openai
     from openai_stream_speech import SAMPLE_RATE, stream_pcm
 
-    import stage_configs
+    from devtools.launch import SpeechLMServer
+    from vllm_omni_speechlm import stage_configs
     from vllm_omni_speechlm.make_tiny import make_tiny
-    from vllm_omni_speechlm.serving.launch import SpeechLMServer
 
     work = Path(args.workdir)
     ckpt = work / "tiny-bagpiper"

@@ -31,22 +31,15 @@ nothing here outlives a request.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm_omni.data_entry_keys import unflatten_payload
+from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows
-from vllm_omni_speechlm.deploy_checks import WINDOW_DEFAULTS, window_settings
-
-# Deployment defaults; the connector's `extra` section overrides them (stage_configs/bagpiper_streaming.yaml).
-# Validated at engine start-up too (vllm_omni_speechlm/deploy_checks.py), where errors reach the user.
-DEFAULTS = WINDOW_DEFAULTS
-# Per-request override of the first window, in the prompt's additional_information.
-INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
+from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows, num_complete_frames
+from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
 
 
 @functools.lru_cache(maxsize=8)
@@ -64,69 +57,21 @@ def _model_dir(transfer_manager: Any) -> str:
 
 
 def chunk_settings(transfer_manager: Any) -> dict[str, int]:
-    """DEFAULTS overridden by the connector's `extra` section; a bad value names its key."""
+    """The window settings of the connector's `extra` section (streaming.py); a bad value names its key."""
     raw = getattr(transfer_manager.connector, "config", None) or {}
     extra = raw.get("extra", raw) if isinstance(raw, dict) else {}
     return window_settings(extra)
 
 
-def _request_initial_chunk(request: Any) -> int | None:
-    """The request's own first-window size, if its prompt carried one."""
-    from vllm_omni.engine.serialization import deserialize_additional_information
-
-    info = deserialize_additional_information(getattr(request, "additional_information", None))
-    value = info.get(INITIAL_CHUNK_KEY)
-    if isinstance(value, list) and len(value) == 1:  # scalars may arrive wrapped
-        value = value[0]
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"additional_information: {INITIAL_CHUNK_KEY} must be a positive int, got {value!r}")
-    return value
-
-
-def _first_chunk(request: Any, settings: dict[str, int]) -> int:
-    """The request's first window: its own, else the deployment's, else a full chunk."""
-    return _request_initial_chunk(request) or settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]
-
-
 def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
     # emitted: frames already sent as new audio; base: absolute index of the first buffered row.
-    return {"emitted": 0, "base": 0, "first_chunk": _first_chunk(request, settings)}
-
-
-def _complete_frames(num_audio_rows: int, cfg: SpeechLMConfig) -> int:
-    """Frame t is complete once audio row t + S - 1 exists."""
-    return max(0, num_audio_rows - (cfg.num_streams - 1))
-
-
-def next_window_end(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool) -> int | None:
-    """With `total` complete frames and `emitted` already sent: the end of the window to send
-    now (its new frames are [emitted, end)), or None (not enough new frames yet).
-
-    After a small first window the windows ramp up: each brings as many new frames as all
-    earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
-    client's buffered audio then doubles per window, so a fast first window does not leave a gap
-    before the second one while generation runs faster than real time."""
-    end = total - (0 if is_finished else settings["codec_right_holdback_frames"])
-    chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], max(first_chunk, emitted))
-    if end - emitted <= 0 or (not is_finished and end - emitted < chunk):
-        return None
-    return end
-
-
-def _step_rows(multimodal_output: Any, cfg: SpeechLMConfig) -> torch.Tensor | None:
-    """A payload's [k, S] stream rows (host tensor), or None when it carries none."""
-    codes = (multimodal_output or {}).get("codes", {}) if isinstance(multimodal_output, dict) else {}
-    step = codes.get("audio") if isinstance(codes, dict) else None
-    if not isinstance(step, torch.Tensor) or step.numel() == 0:
-        return None
-    return step.reshape(-1, cfg.num_streams).to(torch.long)
+    info = deserialize_additional_information(getattr(request, "additional_information", None))
+    return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings)}
 
 
 def _append_audio_rows(rows: list[torch.Tensor], multimodal_output: Any, cfg: SpeechLMConfig) -> None:
     """Buffer the payload's audio rows (host tensors: no device sync)."""
-    step = _step_rows(multimodal_output, cfg)
+    step = frame_rows(multimodal_output, cfg.num_streams)
     if step is not None:
         rows.extend(step[audio_rows(step, cfg)].unbind(0))
 
@@ -150,7 +95,7 @@ def speechlm2codec_async_chunk(
     _append_audio_rows(rows, multimodal_output, cfg)
 
     emitted = state["emitted"]
-    total = _complete_frames(state["base"] + len(rows), cfg)
+    total = num_complete_frames(state["base"] + len(rows), cfg.num_streams)
     target = next_window_end(total, emitted, state["first_chunk"], settings, is_finished)
     if target is None:
         return None  # on the final call the adapter sends the terminal marker itself
@@ -174,85 +119,6 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
     if drop > 0:
         del rows[:drop]
         state["base"] += drop
-
-
-# ---- scheduler side: hand the adapter only the steps that send something -----------------------
-
-
-@dataclass
-class _GateState:
-    first_chunk: int
-    emitted: int = 0  # frames sent as new audio (mirrors the processor's count)
-    audio: int = 0  # audio rows among those handed over or classified
-    pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
-    unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
-
-
-class WindowGate:
-    """Sits in front of the chunk adapter's `save_async` (stage-0 scheduler, every step of every
-    request). The adapter copies the request and wakes its save thread on every call, ~0.1 ms per
-    request per step, though a window is due only every 25 frames. The gate keeps each request's
-    step rows and hands them over as one [k, S] payload on the steps where the processor sends a
-    window (the same rule, `next_window_end`), and at finish; the processor receives the same rows
-    in the same order, so the windows are unchanged."""
-
-    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int]) -> None:
-        self.cfg, self.settings = cfg, settings
-        self._open: dict[str, _GateState] = {}
-
-    @classmethod
-    def for_adapter(cls, adapter: Any) -> "WindowGate":
-        return cls(_layout(_model_dir(adapter)), chunk_settings(adapter))
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
-        """(hand over now, the payload to hand over) for this step of `request`."""
-        ext_id = request.external_req_id
-        state = self._open.get(ext_id)
-        if state is None:
-            state = self._open[ext_id] = _GateState(self._first_window(request))
-        if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
-            multimodal_output = unflatten_payload(multimodal_output)
-        rows = _step_rows(multimodal_output, self.cfg)
-        if rows is not None:
-            state.pending.append(rows)
-            state.unclassified += rows.shape[0]
-        if is_finished:
-            del self._open[ext_id]
-            return True, self._take(state)
-        if not self._due(state, state.audio + state.unclassified):  # even if every new row is audio
-            return False, None
-        if state.unclassified:
-            new = torch.cat(state.pending)[-state.unclassified :]
-            state.audio += int(audio_rows(new, self.cfg).sum())
-            state.unclassified = 0
-        end = self._due(state, state.audio)
-        if end is None:
-            return False, None
-        state.emitted = end
-        return True, self._take(state)
-
-    def _first_window(self, request: Any) -> int:
-        try:
-            return _first_chunk(request, self.settings)
-        except ValueError:  # the processor reports the bad value; any size does here
-            return 1
-
-    def _due(self, state: _GateState, num_audio_rows: int) -> int | None:
-        total = _complete_frames(num_audio_rows, self.cfg)
-        return next_window_end(total, state.emitted, state.first_chunk, self.settings, False)
-
-    @staticmethod
-    def _take(state: _GateState) -> dict | None:
-        rows, state.pending, state.unclassified = state.pending, [], 0
-        return {"codes": {"audio": torch.cat(rows)}} if rows else None
-
-    def forget(self, ext_ids) -> None:
-        """Drop requests that ended without a finishing call (abort, error)."""
-        for ext_id in ext_ids:
-            self._open.pop(ext_id, None)
 
 
 # ---- batch mode (deploy async_chunk: false): the whole clip in one stage-1 prompt --------------

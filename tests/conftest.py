@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny checkpoints are made once per test session, never downloaded."""
+"""Shared fixtures: tiny checkpoints are made once per test session, never downloaded.
+
+Tests are tiered by folder, each folder a pytest marker: `unit` (no engine), `engine` (real vLLM /
+vllm-omni engines in this process, CPU), `server` (`vllm serve` driven over HTTP). `make test`
+runs all; `make test PYTEST_ARGS="-m unit"` one tier.
+"""
 
 import os
 from collections import defaultdict
@@ -10,7 +15,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["SPEECHLM_SELFTEST_PIPELINES"] = "1"  # spawned engines and workers inherit it
+# The self-test pipelines (devtools/), registered in every process: spawned engines, workers and
+# servers inherit the variables.
+ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["SPEECHLM_EXTRA_PLUGIN"] = "devtools.selftest_pipelines"
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
+TIERS = ("unit", "engine", "server")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
@@ -174,8 +193,8 @@ def new_shm(before: set[str]) -> set[str]:
 
 def start_speechlm_server(model_dir: str, deploy_yaml: str, log_dir: Path):
     """Start `vllm serve` on a free local port, wait until healthy, yield it, stop it (fixtures)."""
-    import stage_configs
-    from vllm_omni_speechlm.serving.launch import SpeechLMServer
+    from vllm_omni_speechlm import stage_configs
+    from devtools.launch import SpeechLMServer
 
     server = SpeechLMServer(model_dir, stage_configs.path(deploy_yaml), log_dir / "server.log")
     try:
@@ -204,7 +223,7 @@ def step_graphs_eagerly(on: bool, model) -> int:
     4 rows pad to 5, 1 to 2), or not (False). For `worker_sum`."""
     from vllm_omni_speechlm.models.step_graphs import run_eagerly
 
-    model.use_step_graphs(run_eagerly if on else None, [2, 5, 8])
+    model.steps.use_step_graphs(run_eagerly if on else None, [2, 5, 8])
     return 0
 
 
@@ -217,10 +236,10 @@ class TransferManager:
     __slots__ = ("config", "connector", "code_prompt_token_ids", "request_payload")
 
     def __init__(self, model_dir: str, **extra: int) -> None:
-        from stage_input_processors import speech_codec
+        from vllm_omni_speechlm.streaming import WINDOW_DEFAULTS
 
         self.config = SimpleNamespace(model=model_dir)
-        self.connector = SimpleNamespace(config={"extra": {**speech_codec.DEFAULTS, **extra}})
+        self.connector = SimpleNamespace(config={"extra": {**WINDOW_DEFAULTS, **extra}})
         self.code_prompt_token_ids = defaultdict(list)
         self.request_payload = {}
 
@@ -228,11 +247,14 @@ class TransferManager:
 def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None):
     """Run the processor over [L, S] step rows the way the adapter does, each step offered to the
     scheduler's `WindowGate` first when `gated`. Returns (payloads sent, processor calls)."""
-    from stage_input_processors import speech_codec
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.stage_input_processors import speech_codec
+    from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
-    info = None if first is None else {speech_codec.INITIAL_CHUNK_KEY: first}
+    info = None if first is None else {INITIAL_CHUNK_KEY: first}
     request = SimpleNamespace(external_req_id=req_id, additional_information=info)
-    gate = speech_codec.WindowGate.for_adapter(tm) if gated else None
+    gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm)) if gated else None
     sent, calls = [], 0
     for i, row in enumerate(tokens):
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it

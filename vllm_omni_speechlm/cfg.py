@@ -1,6 +1,6 @@
 """Classifier-free guidance pairs: a guided request and its hidden unconditional companion.
 
-The companion exists only inside the stage-0 EngineCore: `scheduling.PairedCFGScheduler`
+The companion exists only inside the stage-0 EngineCore: `stage0.scheduler.PairedCFGScheduler`
 creates it next to its main request (same length all-pad prompt, same sampling parameters) and
 drops its outputs, so clients, usage counts and later stages never see it. The model merges the
 pair's logits on audio rows and feeds the main's sampled tokens (all streams) to both.
@@ -37,11 +37,12 @@ def unconditional_prompt(prompt_ids: list[int], pad: int) -> list[int]:
     return [pad] * len(prompt_ids)
 
 
-def wants_guidance(speech_params: Mapping[str, Any] | None, cfg: SpeechLMConfig) -> bool:
-    """Whether a request's speech options ask for CFG. Invalid options count as no guidance:
-    the model decodes such a request with the checkpoint defaults (see `SpeechLMForCausalLM`)."""
+def wants_guidance(info: Mapping[str, Any] | None, cfg: SpeechLMConfig) -> bool:
+    """Whether a request's speech options (its prompt's additional information) ask for CFG.
+    Invalid options count as no guidance: the model decodes such a request with the checkpoint
+    defaults (models/steps.py)."""
     try:
-        return SpeechSamplingParams(**dict(speech_params or {})).resolve(cfg).use_cfg
+        return SpeechSamplingParams.from_info(info).resolve(cfg).use_cfg
     except (TypeError, ValueError):
         return False
 

@@ -1,16 +1,304 @@
-"""Private vLLM / vllm-omni internals this project relies on, in one place.
+"""Every private vLLM / vllm-omni internal this project relies on, named in one place.
 
-Each hook names the private attribute it reads or replaces; `tests/test_compat.py` checks each
-against the installed versions, so an upgrade that moves one fails there first.
+Where vLLM and vllm-omni offer no public hook, the project extends their internals: the stage-0
+scheduler, runner and workers override private methods (stage0/), the CPU platform builds vLLM's
+CPU worker around vllm-omni's runners (platforms/), and a few objects are changed at run time
+(the functions below). Each such internal is listed in `HOOKS` with the signature the project was
+written against: `mismatched_hooks()` compares them with the installed code (tests/unit/
+test_compat.py), so an upgrade that moves one fails there, in one place; `check_versions()`
+stops start-up on versions the project was not tested with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# ---- versions --------------------------------------------------------------------------------
+# The releases the hooks below were written against (the version's prefix).
+SUPPORTED_VERSIONS = {"vllm": "0.30.", "vllm_omni": "0.30."}
+# Set to 1 to start on other versions anyway (a warning instead of an error).
+ALLOW_UNTESTED_ENV = "SPEECHLM_ALLOW_UNTESTED_VERSIONS"
+
+
+def check_versions(installed: dict[str, str] | None = None) -> None:
+    """Stop with a clear error on a vLLM / vllm-omni release the project was not tested with."""
+    installed = installed or {name: importlib.import_module(name).__version__ for name in SUPPORTED_VERSIONS}
+    wrong = [f"{n} {v} (supported: {SUPPORTED_VERSIONS[n]}x)" for n, v in installed.items() if not v.startswith(SUPPORTED_VERSIONS[n])]
+    if not wrong:
+        return
+    message = (f"vllm-omni-speechlm: untested {', '.join(wrong)}; it extends private internals of both "
+               f"(vllm_omni_speechlm/compat.py). Install the supported versions, or set {ALLOW_UNTESTED_ENV}=1 to try.")
+    if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise RuntimeError(message)
+    logger.warning(message)
+
+
+# ---- the internals, by owner -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hook:
+    """`owner.name` ("module:Class", or "module" for a module-level name), as the project uses it
+    (`use`: "override", "call" or "attribute"). `params`: a callable's parameters as written
+    against (names, defaults, `*` / `**` markers; no annotations), None for an attribute."""
+
+    owner: str
+    name: str
+    use: str
+    params: str | None = None
+
+
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+_OMNI_SCHED = "vllm_omni.core.sched.omni_ar_scheduler:OmniARScheduler"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_AR_RUNNER = "vllm_omni.worker.gpu_ar_model_runner:GPUARModelRunner"
+_REQUEST = "vllm.v1.request:Request"
+_ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
+
+HOOKS = (
+    # stage-0 scheduler (stage0/scheduler.py, stage0/steady_rows.py)
+    Hook(_OMNI_SCHED, "add_request", "override", "self, request"),
+    Hook(_OMNI_SCHED, "schedule", "override", "self, throttle_prefills=False"),
+    Hook(_OMNI_SCHED, "update_from_output", "override", "self, scheduler_output, model_runner_output"),
+    Hook(_OMNI_SCHED, "finish_requests", "override", "self, request_ids, finished_status"),
+    Hook(_OMNI_SCHED, "_free_request", "override", "self, request, delay_free_blocks=False"),
+    Hook(_SCHED, "_preempt_request", "call", "self, request, timestamp, drop_stale_output=False"),
+    Hook(_SCHED, "_update_request_with_output", "call", "self, request, new_token_ids, is_stale=False"),
+    Hook("vllm_omni.core.sched.omni_ar_scheduler", "_should_emit_engine_output", "call", "model_config, *, stopped, has_control"),
+    Hook(_OMNI_SCHED, "chunk_transfer_adapter", "attribute"),
+    Hook(_OMNI_SCHED, "kv_transfer_criteria", "attribute"),
+    Hook(_OMNI_SCHED, "_new_prompt_len_snapshot", "attribute"),
+    Hook(_SCHED, "perf_metrics", "attribute"),
+    Hook("vllm.v1.core.kv_cache_manager:KVCacheManager", "watermark_blocks", "attribute"),
+    Hook("vllm.v1.core.kv_cache_manager:KVCacheManager", "estimate_cached_tokens", "call", "self, request"),
+    Hook(_REQUEST, "_block_hasher", "attribute"),
+    Hook(_REQUEST, "num_output_placeholders", "attribute"),
+    Hook(_REQUEST, "num_in_flight_tokens", "attribute"),
+    Hook(_REQUEST, "num_stale_output_tokens", "attribute"),
+    Hook(_REQUEST, "take_prefill_stats", "call", "self"),
+    Hook(_REQUEST, "take_events", "call", "self"),
+    Hook("vllm.v1.core.sched.utils", "check_stop", "call", "request, max_model_len"),  # restated: stops_after
+    # the chunk adapter and the async_chunk processor (stage_input_processors/speech_codec.py)
+    Hook(_ADAPTER, "save_async", "override", "self, multimodal_output=None, request=None, is_segment_finished=False, "
+         "new_token_ids=None, confirmed_num_computed_tokens=None, segment_generation=None, force_request_finished=False"),
+    Hook(_ADAPTER, "cleanup_sender", "call", "self, external_req_id"),  # frees the processor's state below
+    Hook(_ADAPTER, "custom_process_next_stage_input_func", "attribute"),
+    Hook(_ADAPTER, "code_prompt_token_ids", "attribute"),
+    Hook(_ADAPTER, "request_payload", "attribute"),
+    Hook(_ADAPTER, "connector", "attribute"),
+    # stage-0 runner (stage0/runner.py, stage0/runner_loops.py)
+    Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_build_model_kwargs_extra", "override", "self"),
+    Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_sync_local_stage_payloads", "call", "self"),
+    Hook(_AR_RUNNER, "_resolve_pooler_payload_req_ids", "override", "self, req_ids_output_copy"),
+    Hook(_AR_RUNNER, "_build_omni_model_runner_output_from_snapshot", "override",
+         "self, *, scheduler_output, hidden_states, staged_hidden_states_cpu, multimodal_outputs, req_ids_output_copy, "
+         "req_id_to_index_output_copy, valid_sampled_token_ids, logprobs_lists, prompt_logprobs_dict, num_nans_in_logits, "
+         "kv_connector_output, ec_connector_output, cudagraph_stats, kv_extracted_req_ids, num_scheduled_tokens_np, "
+         "query_start_loc_cpu, postprocess_already_applied=False, prefix_cache_step_id=None"),
+    Hook(_AR_RUNNER, "_build_omni_pooler_payload", "override",
+         "self, *, rid, idx, start, end, hidden_states_cpu, req_hidden_states_cpu, combined_hidden_states, "
+         "combined_multimodal_outputs, mm_cpu, audio_sparse_output, sparse_mm_index, hidden_seq_len, scheduled_seq_len"),
+    Hook("vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport:"
+         "_OmniConnectorPayloadTransportMixin", "_should_accumulate_full_payload_output", "call", "self"),
+    Hook(_AR_RUNNER, "_async_chunk", "attribute"),
+    Hook(_AR_RUNNER, "omni_prefix_cache", "attribute"),
+    Hook(_AR_RUNNER, "model_intermediate_buffer", "attribute"),
+    Hook(_RUNNER, "discard_request_mask", "attribute"),
+    Hook(_RUNNER, "_compute_prev_positions", "override", "self, num_reqs"),
+    Hook(_RUNNER, "_prepare_input_ids", "override", "self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens"),
+    Hook(_RUNNER, "_bookkeeping_sync", "override",
+         "self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens"),
+    Hook(_RUNNER, "_get_prompt_logprobs_dict", "call", "self, hidden_states, num_scheduled_tokens"),
+    Hook(_RUNNER, "_pp_recv_work", "attribute"),
+    Hook(_RUNNER, "prev_positions", "attribute"),
+    Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_sampled_token_ids", "attribute"),
+    Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_req_id_to_index", "attribute"),
+    # workers: the JIT warm-up list (stage0/runner.py)
+    Hook("vllm.v1.worker.gpu_worker:Worker", "compile_or_warm_up_model", "override", "self"),
+    Hook("vllm.model_executor.warmup.jit_warmup", "jit_warmup_registry", "attribute"),  # set on runners
+    Hook("vllm.model_executor.warmup.jit_warmup:JitWarmupRegistry", "_registrations", "attribute"),
+    # CPU platform (platforms/cpu_worker.py)
+    Hook("vllm.v1.worker.cpu_worker", "CPUModelRunner", "attribute"),  # replaced: building_cpu_runner
+    Hook("vllm.v1.worker.cpu_model_runner", "_torch_cuda_wrapper", "call", ""),
+    Hook("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_tensors", "call", "self"),
+    Hook("vllm.v1.worker.cpu_worker:CPUWorker", "init_device", "override", "self"),
+    Hook("vllm_omni.platforms.interface:OmniPlatform", "_omni_enum", "attribute"),  # platforms/cpu.py
+    # engine start (this module)
+    Hook("vllm_omni.engine.omni_engine_base:OmniEngineBase", "__init__", "override",
+         "self, model, stage_init_timeout=300, init_timeout=600, single_stage_mode=False, transfer_emitter=None, "
+         "prom_metrics=None, log_stats=False, tokenizer=None, trust_remote_code=None, client_config=None, **kwargs"),
+    # API server (serving/)
+    Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced route: dispatch_chat_route
+    Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_supported_speakers", "override", "self"),
+    Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_codec_frame_rate", "override", "self"),
+    Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "validate", "override", "self, request"),
+    Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "build", "override",
+         "self, request, sampling_params_list, has_inline_ref_audio"),
+    Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "apply_sampling_overrides", "override",
+         "self, sampling_params_list, request, prompt=None, request_id=None"),
+    Hook("vllm.model_executor.models.config", "MODELS_CONFIG_MAP", "attribute"),  # deploy_checks.py
+)
+
+
+def _resolve(owner: str) -> Any:
+    module, _, qualname = owner.partition(":")
+    obj = importlib.import_module(module)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _params(fn: Any) -> str:
+    """A callable's parameters without annotations: "self, x, *, y=1, **kw"."""
+    out, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            out.append("*")
+        star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        default = "" if p.default is p.empty else f"={p.default!r}"
+        out.append(prefix + p.name + default)
+    return ", ".join(out)
+
+
+def _has_attribute(owner: Any, name: str) -> bool:
+    """A class or module attribute (annotated or set), or one its code assigns (`self.name =`)."""
+    classes = owner.__mro__ if inspect.isclass(owner) else ()
+    if hasattr(owner, name) or any(name in vars(k).get("__annotations__", {}) for k in classes):
+        return True
+    assigned = re.compile(rf"\.{re.escape(name)}\s*(:|=(?!=))")
+    sources = [k for k in classes if k.__module__.startswith(("vllm.", "vllm_omni."))] if classes else [owner]
+    return any(assigned.search(inspect.getsource(k)) for k in sources)
+
+
+def mismatched_hooks(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
+    """Each hook the installed vLLM / vllm-omni no longer has as written against (empty: all fit)."""
+    problems = []
+    for hook in hooks:
+        try:
+            owner = _resolve(hook.owner)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{hook.owner}: not found ({e})")
+            continue
+        if hook.params is None:
+            if not _has_attribute(owner, hook.name):
+                problems.append(f"{hook.owner}.{hook.name}: attribute not found")
+            continue
+        fn = getattr(owner, hook.name, None)
+        if fn is None:
+            problems.append(f"{hook.owner}.{hook.name}: not found")
+        elif (got := _params(inspect.unwrap(fn))) != hook.params:
+            problems.append(f"{hook.owner}.{hook.name}({got}): written against ({hook.params})")
+    return problems
+
+
+# ---- vLLM's stop rule, restated ------------------------------------------------------------
+
+
+def stops_after(token: Any, num_tokens: Any, num_output_tokens: Any, max_tokens: Any, max_model_len: int,
+                eos: int | None, stop_token_ids: Any = ()) -> Any:
+    """vLLM's `check_stop` (vllm/v1/core/sched/utils.py) for a request that has just appended
+    `token`, making it `num_tokens` long with `num_output_tokens` outputs: eos, a stop token id,
+    or a length limit. Elementwise on tensors. Not covered (callers rule them out): min_tokens,
+    repetition detection, stop strings."""
+    stop = token == eos
+    for stop_id in stop_token_ids or ():
+        stop = stop | (token == stop_id)
+    return stop | (num_tokens >= max_model_len) | (num_output_tokens >= max_tokens)
+
+
+# ---- run-time changes: the chunk adapter, the CPU worker, the chat route -----------------------
+
+
+def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool, Any]]) -> None:
+    """Route each step a scheduler hands the chunk adapter (`save_async`) through `offer(request,
+    payload, finished) -> (send now, payload to send)`. vllm-omni's scheduler calls `save_async`
+    for every request of every step and has no hook for which steps to send."""
+    send = adapter.save_async
+
+    def save_async(multimodal_output: Any = None, request: Any = None, is_segment_finished: bool = False, **kw: Any) -> Any:
+        if request is None:
+            return send(multimodal_output, request, is_segment_finished, **kw)
+        finished = bool(is_segment_finished or kw.get("force_request_finished") or request.is_finished())
+        hand_over, payload = offer(request, multimodal_output, finished)
+        return send(payload, request, is_segment_finished, **kw) if hand_over else None
+
+    adapter.save_async = save_async
+
+
+@contextlib.contextmanager
+def building_cpu_runner(runner_cls: type) -> Iterator[None]:
+    """Make `CPUWorker.init_device` construct `runner_cls` instead of `CPUModelRunner`. It does the
+    CPU process setup (LD_PRELOAD checks, thread binding, gloo init, seeding) and then builds the
+    module-global `CPUModelRunner`; swapping that one name for the call reuses all of it."""
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    original = cpu_worker.CPUModelRunner
+    cpu_worker.CPUModelRunner = runner_cls
+    try:
+        yield
+    finally:
+        cpu_worker.CPUModelRunner = original
+
+
+def torch_cuda_wrapper() -> contextlib.AbstractContextManager:
+    """vLLM's fake of `torch.Event` / `torch.cuda.Stream` for building a GPU runner on CPU."""
+    from vllm.v1.worker.cpu_model_runner import _torch_cuda_wrapper
+
+    return _torch_cuda_wrapper()
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def dispatch_chat_route(serves: Callable[[Any], bool], handler: Callable[[Any, Any], Any]) -> None:
+    """Put a dispatcher in place of vllm-omni's chat route (before its app is built): requests to
+    an engine client for which `serves(engine_client)` go to `handler(request, raw_request)`,
+    every other one to vllm-omni's own handler (undecorated, under the same request parsing and
+    decorators). vllm-omni has no hook for a model's own chat handling. Idempotent."""
+    from fastapi import Request
+    from fastapi.routing import APIRoute
+    from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
+    from vllm_omni.entrypoints.openai import api_server
+
+    routes = api_server.router.routes
+    index = next(
+        (i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == CHAT_ROUTE and "POST" in r.methods), None
+    )
+    if index is None or getattr(routes[index].endpoint, "_speechlm_dispatch", False):
+        return  # already replaced (the plugin runs more than once), or nothing to replace
+    stock = routes[index]
+    stock_handler = inspect.unwrap(stock.endpoint)
+
+    async def create_chat_completion(request, raw_request):
+        if serves(raw_request.app.state.engine_client):
+            return await handler(request, raw_request)
+        return await stock_handler(request, raw_request)
+
+    # FastAPI reads the body and the raw request from these (real classes: this module's
+    # annotations are strings, which FastAPI could not resolve here).
+    create_chat_completion.__annotations__ = {"request": api_server.ChatCompletionRequest, "raw_request": Request}
+    endpoint = with_cancellation(load_aware_call(create_chat_completion))
+    endpoint._speechlm_dispatch = True  # type: ignore[attr-defined]
+    del routes[index]
+    api_server.router.add_api_route(
+        CHAT_ROUTE, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses
+    )
+
+
+# ---- JIT warm-up ----------------------------------------------------------------------------
 
 # vLLM's sampler modules: their JIT kernels (top-k / top-p, rejection sampling) run only for
 # requests that ask for them.
@@ -84,8 +372,6 @@ def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dic
 def pass_parallel_stage_init_from_deploy() -> None:
     """Make vllm-omni's engine (`OmniEngineBase.__init__`, which reads the keyword) take
     `parallel_stage_init` from the deploy YAML. Idempotent."""
-    import functools
-
     from vllm.platforms import current_platform
     from vllm_omni.engine.omni_engine_base import OmniEngineBase
 

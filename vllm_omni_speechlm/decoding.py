@@ -44,14 +44,11 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-
-if TYPE_CHECKING:
-    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 NEG_INF = float("-inf")
 
@@ -310,9 +307,20 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth, NEG_INF)
 
 
+class RowValues(NamedTuple):
+    """One request's sampling values of `RowSampling` (`SpeechSamplingParams.row_values`)."""
+
+    text_top_k: int  # effective k (1 when the modality is greedy)
+    audio_top_k: int
+    text_scale: float  # T_engine / T_text (1 when greedy)
+    audio_scale: float
+    audio_divisor: float  # temperature the aux streams divide by (1 when greedy)
+    max_text_tokens: int
+
+
 @dataclass
 class RowSampling:
-    """Per-row sampling tensors ([N] each) derived from the requests' `SpeechSamplingParams`."""
+    """Per-row sampling tensors ([N] each): the rows' `RowValues`."""
 
     text_top_k: torch.Tensor  # effective k (1 when the modality is greedy)
     audio_top_k: torch.Tensor
@@ -323,10 +331,10 @@ class RowSampling:
     max_top_k: int
 
     @classmethod
-    def from_params(cls, params: list["SpeechSamplingParams"], device) -> "RowSampling":
-        cols = [p.row_values() for p in params]
-        ints = torch.tensor([(c[0], c[1], c[5]) for c in cols], dtype=torch.long, device=device).reshape(-1, 3)
-        floats = torch.tensor([c[2:5] for c in cols], dtype=torch.float32, device=device).reshape(-1, 3)
-        max_k = max(max(c[0], c[1]) for c in cols)
+    def from_values(cls, values: list[RowValues], device) -> "RowSampling":
+        ints = torch.tensor([(v.text_top_k, v.audio_top_k, v.max_text_tokens) for v in values], dtype=torch.long, device=device)
+        floats = torch.tensor([(v.text_scale, v.audio_scale, v.audio_divisor) for v in values], dtype=torch.float32, device=device)
+        ints, floats = ints.reshape(-1, 3), floats.reshape(-1, 3)
+        max_k = max(max(v.text_top_k, v.audio_top_k) for v in values)
         return cls(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_k)
 

@@ -8,14 +8,9 @@ stage configuration in hand: vLLM's per-architecture config hook (`MODELS_CONFIG
 built in the orchestrator. `vllm_omni_speechlm.plugin` registers `SpeechLMStageCheck` for the
 project's architectures. A bad value raises ValueError naming the YAML key.
 
-Window settings (the connector's `extra`, stage_configs/bagpiper_streaming.yaml):
-    codec_chunk_frames            int >= 1
-    codec_left_context_frames     int, >= the codec's left reach (10 for X-Codec)
-    codec_right_holdback_frames   int, >= the codec's lookahead (10 for X-Codec), <= chunk
-    initial_codec_chunk_frames    int, 0 (a full chunk) or 1..chunk
-Any other `codec_*` key is a typo and is rejected. The codec stage's max_model_len and
-max_num_batched_tokens must hold the largest window, (left + chunk + holdback) x Q ids: a window
-split across steps or cut by the length limit would decode wrongly.
+The window settings (streaming.py) are checked against the checkpoint's codec here. The codec
+stage's max_model_len and max_num_batched_tokens must hold the largest window, (left + chunk +
+holdback) x Q ids: a window split across steps or cut by the length limit would decode wrongly.
 """
 
 from __future__ import annotations
@@ -30,13 +25,7 @@ from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
 from vllm_omni_speechlm.compat import parallel_stage_init_of
 from vllm_omni_speechlm.config import SpeechLMConfig
-
-WINDOW_DEFAULTS = {
-    "codec_chunk_frames": 25,
-    "codec_left_context_frames": 25,
-    "codec_right_holdback_frames": 10,
-    "initial_codec_chunk_frames": 0,  # 0: the first window is a full chunk
-}
+from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
 
 @functools.lru_cache(maxsize=8)
@@ -47,51 +36,6 @@ def codec_reach(model_dir: str) -> tuple[int, int]:
         raw = json.load(f)
     codec = DacDecoderConfig.from_dac_dict(raw) if cfg.codec.type == "dac" else XCodecDecoderConfig.from_dict(raw)
     return codec.receptive_field_frames
-
-
-def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None = None) -> dict[str, int]:
-    """WINDOW_DEFAULTS overridden by a connector `extra` dict, validated. `reach` (the codec's
-    (left, right) frames) adds the exactness bounds; without it only types and ranges are checked."""
-    extra = extra or {}
-    unknown = sorted(k for k in extra if "codec" in k and k not in WINDOW_DEFAULTS)
-    if unknown:
-        raise ValueError(f"connector extra: unknown key {unknown[0]!r} (known: {sorted(WINDOW_DEFAULTS)})")
-    out = {}
-    for key, default in WINDOW_DEFAULTS.items():
-        value = extra.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"connector extra: {key} must be a non-negative int, got {value!r}")
-        out[key] = value
-    chunk, holdback = out["codec_chunk_frames"], out["codec_right_holdback_frames"]
-    if chunk < 1:
-        raise ValueError(f"connector extra: codec_chunk_frames must be >= 1, got {chunk}")
-    if holdback > chunk:
-        raise ValueError(f"connector extra: codec_right_holdback_frames ({holdback}) must be <= codec_chunk_frames ({chunk})")
-    if out["initial_codec_chunk_frames"] > chunk:
-        raise ValueError(
-            f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
-            f"codec_chunk_frames ({chunk}) (0 = a full chunk)"
-        )
-    if reach is not None:
-        left, right = reach
-        if out["codec_left_context_frames"] < left:
-            raise ValueError(
-                f"connector extra: codec_left_context_frames must be >= {left} (the codec reads {left} frames "
-                f"back; fewer changes the audio at window starts), got {out['codec_left_context_frames']}"
-            )
-        if holdback < right:
-            raise ValueError(
-                f"connector extra: codec_right_holdback_frames must be >= {right} (the codec's lookahead; "
-                f"fewer changes the audio at window ends), got {holdback}"
-            )
-    return out
-
-
-def max_window_ids(settings: dict[str, int], num_quantizers: int) -> int:
-    """Ids of the longest window the processor sends: left context + chunk + holdback frames
-    (the final flush is shorter: it is sent before chunk + holdback new frames accumulate)."""
-    frames = settings["codec_left_context_frames"] + settings["codec_chunk_frames"] + settings["codec_right_holdback_frames"]
-    return frames * num_quantizers
 
 
 def check_codec_stage(vllm_config: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-import stage_configs
+import vllm_omni_speechlm.stage_configs as stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
@@ -28,7 +28,7 @@ from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
 def _stream_tokens(output: Any, num_streams: int) -> torch.Tensor:
     """[L, S] tokens of every step from an OmniRequestOutput (`codes.audio` rows). Rows come in
-    blocks of steps (client_frames.py): a request aborted before its first block has none."""
+    blocks of steps (stage0/client_frames.py): a request aborted before its first block has none."""
     codes = (output.multimodal_output or {}).get("codes", {}).get("audio")
     if codes is None:
         return torch.zeros(0, num_streams, dtype=torch.long)

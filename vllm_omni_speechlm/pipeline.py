@@ -12,7 +12,7 @@ from vllm_omni_speechlm.config import SPEECHLM_KEY
 
 BAGPIPER_ARCH = "BagpiperForCausalLM"
 # Paired CFG co-scheduling (hidden unconditional companions); plain vLLM scheduling otherwise.
-SPEECH_LM_SCHEDULER = "vllm_omni_speechlm.scheduling.PairedCFGScheduler"
+SPEECH_LM_SCHEDULER = "vllm_omni_speechlm.stage0.scheduler.PairedCFGScheduler"
 # Stage names (`model_stage`): the API server finds the speech stage by them (serving/speech.py).
 SPEECH_LM_STAGE = "speech_lm"
 CODEC_STAGE = "codec"
@@ -24,7 +24,7 @@ def _is_speechlm(hf_config) -> bool:
 
 def speech_lm_stage(arch: str, **overrides) -> StagePipelineConfig:
     """Stage 0: the AR speech LM. Its client output is text (stream 0) plus `codes.audio`, one
-    [1, S] row of all streams per generated token (sent in blocks of steps: client_frames.py)."""
+    [1, S] row of all streams per generated token (sent in blocks of steps: stage0/client_frames.py)."""
     fields = dict(
         stage_id=0,
         model_stage=SPEECH_LM_STAGE,
@@ -54,10 +54,10 @@ BAGPIPER_AR_PIPELINE = lm_only_pipeline("bagpiper", BAGPIPER_ARCH)
 
 # ---- two stages: speech LM -> X-Codec decoder (streamed windows, or whole clips in batch mode) ---
 CODEC_DECODER_ARCH = "BagpiperCodecDecoder"
-SPEECH_CODEC_PROCESSOR = "stage_input_processors.speech_codec.speechlm2codec_async_chunk"
+SPEECH_CODEC_PROCESSOR = "vllm_omni_speechlm.stage_input_processors.speech_codec.speechlm2codec_async_chunk"
 # Batch mode (deploy async_chunk: false, stage_configs/bagpiper_batch.yaml): the orchestrator hands
 # stage 1 the whole clip once stage 0 finishes. vllm-omni reads this on the consuming stage.
-SPEECH_CODEC_BATCH_PROCESSOR = "stage_input_processors.speech_codec.speechlm2codec"
+SPEECH_CODEC_BATCH_PROCESSOR = "vllm_omni_speechlm.stage_input_processors.speech_codec.speechlm2codec"
 
 
 def codec_decoder_stage(**overrides) -> StagePipelineConfig:

@@ -1,10 +1,12 @@
 """`vllm.general_plugins` entry point: runs in the API server, every EngineCore and worker."""
 
+import importlib
 import os
 import sys
 
-# Set (by the test suite) to also register the platform self-test pipelines.
-SELFTEST_ENV = "SPEECHLM_SELFTEST_PIPELINES"
+# A module whose `register()` runs here too, in every process: the test suite and the benchmarks
+# name their self-test pipelines (devtools/selftest_pipelines.py) with it.
+EXTRA_PLUGIN_ENV = "SPEECHLM_EXTRA_PLUGIN"
 # vllm-omni's engine, loaded where stages are started (`vllm serve --omni`, `Omni(...)`).
 ENGINE_MODULE = "vllm_omni.engine.omni_engine_base"
 
@@ -13,16 +15,17 @@ def register() -> None:
     """Register the project's architectures (vLLM's and vllm-omni's registries: stages load
     models through the latter) and pipelines; in the API server also the OpenAI routes
     (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
-    register_speech_lms()
     from vllm_omni_speechlm import compat, serving
+
+    compat.check_versions()
+    register_speech_lms()
 
     serving.register()
     if ENGINE_MODULE in sys.modules:  # the process that starts the stages (API server, offline driver)
         compat.pass_parallel_stage_init_from_deploy()
-    if os.environ.get(SELFTEST_ENV) == "1":  # tests/test_cpu_platform*.py; selected only by name
-        from vllm_omni_speechlm.platforms import selftest
-
-        selftest.register()
+    extra = os.environ.get(EXTRA_PLUGIN_ENV)
+    if extra:
+        importlib.import_module(extra).register()
 
 
 def register_speech_lms() -> None:

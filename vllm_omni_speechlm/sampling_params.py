@@ -1,13 +1,17 @@
-"""Per-request speech sampling options, validated once at the edge (API, generator, reference)."""
+"""Per-request speech sampling options: one typed object, validated where a request enters (API
+routes, generator, reference) and carried to the engine in its wire form (`to_info` /
+`from_info`: plain scalars in the prompt's additional information)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import OutputMode
+from vllm_omni_speechlm.decoding import OutputMode, RowValues
 
 MAX_TEMPERATURE = 100.0
 MAX_CFG_SCALE = 20.0  # beyond this guidance only amplifies noise
@@ -81,9 +85,9 @@ class SpeechSamplingParams:
         """The one temperature vLLM applies to stream 0 (0: greedy)."""
         return self.audio_temperature if self.audio_temperature > 0 else self.text_temperature
 
-    def row_values(self) -> tuple[int, int, float, float, float, int]:
-        """(text k, audio k, text scale, audio scale, aux divisor, text budget) of `RowSampling`.
-        A greedy modality becomes top-1; a sampled one is rescaled to the engine temperature."""
+    def row_values(self) -> RowValues:
+        """The resolved options as `RowSampling` takes them. A greedy modality becomes top-1; a
+        sampled one is rescaled to the engine temperature."""
         te = self.engine_temperature
 
         def k_and_scale(temp: float, top_k: int) -> tuple[int, float]:
@@ -92,4 +96,23 @@ class SpeechSamplingParams:
         tk, ts = k_and_scale(self.text_temperature, self.text_top_k)
         ak, as_ = k_and_scale(self.audio_temperature, self.audio_top_k)
         text_budget = self.max_text_tokens if self.max_text_tokens is not None else self.max_tokens
-        return tk, ak, ts, as_, self.audio_temperature or 1.0, text_budget
+        return RowValues(tk, ak, ts, as_, self.audio_temperature or 1.0, text_budget)
+
+    def to_info(self) -> dict[str, Any]:
+        """The wire form, for the stage-0 prompt's additional information: the options as plain
+        scalars (msgpack). The seed is not among them: the model reads it from the engine's
+        generator for the request (vLLM seeds it with SamplingParams.seed)."""
+        options = {name: getattr(self, name) for name in MODEL_OPTIONS + ("max_tokens",)}
+        return {SPEECH_PARAMS_KEY: options | {"modality": int(self.modality)}}
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any] | None, seed: int | None = None) -> SpeechSamplingParams:
+        """The options of a prompt's additional information (`to_info`), validated again."""
+        return cls(**dict((info or {}).get(SPEECH_PARAMS_KEY) or {}), seed=seed)
+
+
+# Options a request may set besides its route's own fields (modality, token limit and seed have
+# route-specific names).
+MODEL_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(SpeechSamplingParams) if f.name not in ("modality", "max_tokens", "seed")
+)

@@ -29,6 +29,7 @@ import torch
 from vllm.config import VllmConfig
 
 from vllm_omni_speechlm.codec import load_codec_decoder
+from vllm_omni_speechlm.compat import stops_after
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.models.bagpiper import BagpiperForCausalLM
 from vllm_omni_speechlm.models.request_state import to_device
@@ -59,7 +60,7 @@ class FusedCodecDecoding:
         return out
 
     def _history(self) -> torch.Tensor:
-        table, _ = self._state()
+        table, _ = self.steps.state()
         hist = self._stream0_history
         if hist is None or hist.shape[0] != table.capacity:  # first use, or the table grew
             new = torch.zeros(table.capacity, table.max_output_len, dtype=torch.int32, device=table.device)
@@ -69,7 +70,7 @@ class FusedCodecDecoding:
         return hist
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
-        step = self._step
+        step = self.steps.rows
         decoding = step.sampled is not None or step.graphed  # else profiling / warm-up
         out = super().sample(logits, sampling_metadata)
         if not decoding:
@@ -92,23 +93,24 @@ class FusedCodecDecoding:
             return []
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the host copy queued in sample
-        token0 = self._frames_host[rows, 0]  # host tensor: no device read
-        entries = [self._step.entries[i] for i in rows]
-        limit = torch.tensor([min(e.params.max_tokens, self._max_model_len - e.prompt_len) for e in entries])
-        count = torch.tensor(generated) + 1
+        token0 = self.steps.frames_host[rows, 0]  # host tensor: no device read
+        entries = [self.steps.rows.entries[i] for i in rows]
+        count = torch.tensor(generated) + 1  # outputs after this step's token
+        length = torch.tensor([e.prompt_len for e in entries]) + count
+        max_tokens = torch.tensor([e.params.max_tokens for e in entries])
         # A CFG companion ends with its main request; its output never reaches anyone: no clip.
         main = torch.tensor([e.guided_by is None for e in entries])
-        ends = main & ((token0 == self.speech.specials.eos) | (count >= limit))
+        ends = main & stops_after(token0, length, count, max_tokens, self._max_model_len, self.speech.specials.eos)
         return [(rows[j], generated[j] + 1) for j in torch.nonzero(ends).flatten().tolist()]
 
     @torch.inference_mode()
     def _emit_clips(self, ending: list[tuple[int, int]], num_rows: int) -> None:
-        table, _ = self._state()
+        table, _ = self.steps.state()
         hist = self._history()
         empty = torch.zeros(0, dtype=torch.float32)
         audio = [empty] * num_rows
         for row, length in ending:
-            slot = self._step.entries[row].slot
+            slot = self.steps.rows.entries[row].slot
             tokens = torch.cat([hist[slot, :length, None], table.aux_history[slot, :length]], dim=1).long()
             codes = audio_codes(tokens, self.speech)  # [T, Q] or None (no audio in this answer)
             if codes is not None:

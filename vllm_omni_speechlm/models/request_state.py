@@ -85,15 +85,16 @@ class RequestTable:
         if not self.free:
             self._grow()
         slot = self.free.pop()
-        tk, ak, ts, as_, div, budget = params.row_values()
+        v = params.row_values()
         seed = UNSEEDED if params.seed is None else aux_seed(params.seed)
-        entry = RequestEntry(req_id, slot, params, None, max(tk, ak))
+        entry = RequestEntry(req_id, slot, params, None, max(v.text_top_k, v.audio_top_k))
         if is_companion(req_id):
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
         self.num_text_capable += params.modality != OutputMode.AUDIO
-        self._admitted.append((slot, int(params.modality), (tk, ak, budget, seed), (ts, as_, div)))
+        ints = (v.text_top_k, v.audio_top_k, v.max_text_tokens, seed)
+        self._admitted.append((slot, int(params.modality), ints, (v.text_scale, v.audio_scale, v.audio_divisor)))
         return entry
 
     def write_admitted(self) -> None:

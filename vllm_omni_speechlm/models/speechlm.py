@@ -1,132 +1,28 @@
 """A delay-pattern speech LM as a vLLM model and vllm-omni AR stage (family-agnostic part).
 
 Primary/auxiliary decomposition: the engine samples stream 0 like any token; the model samples
-streams 1..S-1 in the same step. Per step (hooks in the order vllm-omni's AR runner calls them):
-
-    prepare_runner_inputs      note the step's rows; stage sum embed(streams 1..S-1 of each
-                               token's previous step), read from the request table, in one
-                               fixed device buffer (batched; no per-request runner hooks)
-    forward                    embed(stream 0) + that buffer, then the backbone (vLLM layers,
-                               PagedAttention, CUDA graphs)
-    make_omni_output           admit new requests; hand the runner this step's [N, S] host frame
-                               buffer (filled below, copied once in sample; stage 0's own runner,
-                               runner.py, passes it on whole to the scheduler)
-    compute_logits             raw stream-0 logits -> row kinds (phase machine / argmax rule);
-                               streams 1..S-1 projected on their own vocabulary slices in one
-                               batched matmul and sampled; stream-0 masks, top-k, temperature
-                               compensation; returns what vLLM's sampler gets
-    sample                     vLLM's own Sampler picks stream 0; the phase machine advances
-
-On CUDA the device math of these hooks runs as four `torch.compile`d functions (the `*_eager`
-methods; `compile_step_functions`), compiled in vLLM's warm-up: eagerly it is ~100 small kernel
-launches per step, the host's critical path at tens of requests. A step whose rows all sample
-and hold no CFG pair replays CUDA graphs of compute_logits and sample instead (`step_graphs.py`);
-the one after it, if it decodes the same rows, finds its aux input staged by them.
-
-The client sees one [1, S] row per sampled position under `codes.audio` (stream 0 and the
-auxiliary streams; pad 0 on non-audio rows), concatenated by vllm-omni into [L, S]; the
-scheduler sends them in blocks of steps (`client_frames.py`).
+streams 1..S-1 in the same step. This class holds the layers (vLLM's backbone, the LM head, the
+per-stream embeddings) and the vllm-omni runner hooks; the hooks hand each step to
+`SpeechLMSteps` (steps.py), which keeps the per-request state and runs the step's device math.
+The client sees the step's frames under `codes.audio` (frames.py).
 """
 
 from __future__ import annotations
 
-import functools
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import nn
-from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
-from vllm.logger import init_logger
+from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
-from vllm.utils.torch_utils import set_torch_threads_for_runtime
-from vllm.v1.sample.sampler import Sampler
 
-from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
-from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable, to_device
-from vllm_omni_speechlm.models.step_graphs import Recorder, StepGraphs, cuda_graph
-from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY, SpeechSamplingParams
-
-logger = init_logger(__name__)
-
-
-
-@dataclass
-class StepRows:
-    """This step's rows (one per scheduled request, in logits-row order)."""
-
-    req_ids: list[str] = field(default_factory=list)
-    entries: list[RequestEntry | None] = field(default_factory=list)  # None until admitted
-    computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens computed before
-    scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # tokens this step
-    # Per row, set in prepare_runner_inputs and completed at admission (make_omni_output):
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # _UNKNOWN_LEN until known
-    generated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # output index each row samples
-    samples: list[bool] = field(default_factory=list)  # False: a partial prefill chunk
-    max_top_k: int | None = None  # over the entries; None: not known yet (compute_logits)
-    num_released: int = 0  # the table's count of releases when the rows were read
-    sampled: slice | torch.Tensor | None = None  # the rows that sample; slice(None) when all do (no gather)
-    index: torch.Tensor | None = None  # [2, N] device slots and output indices (compute_logits)
-    graphed: bool = False  # compute_logits replayed the step graphs
-    guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
-
-
-_UNKNOWN_LEN = 1 << 62  # prompt length of a request not admitted yet: all its tokens are prompt
-
-CODES_KEY = "codes.audio"  # the client's key of the per-step frames (vllm-omni flattens nested keys)
-# make_omni_output keyword: the runner takes this step's frame views as they are (runner.py)
-FRAME_ROWS_KWARG = "frame_rows"
-
-
-@dataclass(frozen=True)
-class FrameRows:
-    """This step's frames: the [N, S] host buffer (row i: request i's frame, if `samples[i]`).
-    One object, not per-row tensors: vllm-omni's generic payload code would copy every row twice
-    per step, and the runner hands the whole buffer to the scheduler (`runner.py`)."""
-
-    host: torch.Tensor
-    samples: list[bool]
-
-    def row(self, i: int) -> torch.Tensor:
-        """Row i as a [1, S] view ([0, S] when it does not sample)."""
-        return self.host[i : i + 1 if self.samples[i] else i]
-
-
-def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-request [R] counts -> per scheduled token [T]: its request row and its output index
-    (position - prompt length; negative for prompt tokens)."""
-    row = np.repeat(np.arange(len(scheduled)), scheduled)
-    first = np.repeat(np.cumsum(scheduled) - scheduled, scheduled)  # flat index of each row's first token
-    return row, computed[row] + (np.arange(row.size) - first) - prompt_len[row]
-
-
-def _step_compile_backend(vllm_config: VllmConfig) -> str | None:
-    """Inductor on CUDA; eager on CPU and where the user turned compilation off (enforce_eager, -O0)."""
-    if vllm_config.device_config.device_type != "cuda" or vllm_config.compilation_config.mode == CompilationMode.NONE:
-        return None
-    return "inductor"
-
-
-STEP_GRAPHS_KEY = "speech_lm_step_graphs"  # additional_config switch (default on)
-
-
-def _step_graph_sizes(vllm_config: VllmConfig) -> list[int]:
-    """vLLM's capture sizes where the step functions compile and vLLM graphs the backbone, unless
-    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`)."""
-    graphs = vllm_config.compilation_config.cudagraph_mode
-    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    if _step_compile_backend(vllm_config) is None or graphs in (None, CUDAGraphMode.NONE) or not extra.get(STEP_GRAPHS_KEY, True):
-        return []
-    return list(vllm_config.compilation_config.cudagraph_capture_sizes or [])
+from vllm_omni_speechlm.frames import CODES_KEY
+from vllm_omni_speechlm.models.steps import SpeechLMSteps
 
 
 class SpeechLMForCausalLM(nn.Module):
@@ -153,24 +49,11 @@ class SpeechLMForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(hf.vocab_size)
         self.stream_embeddings = nn.Embedding(cfg.num_streams, hf.hidden_size)
-        self.sampler = Sampler()
-        aux = cfg.streams[1:]
-        self.register_buffer("aux_start", torch.tensor([s.vocab_start for s in aux]), persistent=False)
-        sched = vllm_config.scheduler_config
+        self.register_buffer("aux_start", torch.tensor([s.vocab_start for s in cfg.streams[1:]]), persistent=False)
         # Summed aux-stream embeddings of each scheduled token, at a fixed address (CUDA graphs).
-        self.register_buffer("_aux_input", torch.zeros(sched.max_num_batched_tokens, hf.hidden_size), persistent=False)
-        self._table_shape = (2 * sched.max_num_seqs, vllm_config.model_config.max_model_len)
-        self.table: RequestTable | None = None  # built on first use, on the weights' device
-        self.rules: DecodingRules | None = None
-        self.graphs: StepGraphs | None = None  # built with the table where there are capture sizes
-        self._graph_sizes = _step_graph_sizes(vllm_config)
-        self._step = StepRows()
-        self._frames: torch.Tensor | None = None
-        self._frames_host: torch.Tensor | None = None
-        self.num_resumed = 0  # re-prefills after preemption (observability, tests)
-        self.num_resumed_companions = 0
-        self.num_graph_staged_steps = 0  # steps whose aux input the step graphs staged
-        self.compile_step_functions(_step_compile_backend(vllm_config))
+        tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.register_buffer("aux_input", torch.zeros(tokens, hf.hidden_size), persistent=False)
+        self.steps = SpeechLMSteps(self, vllm_config)
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         raise NotImplementedError
@@ -184,43 +67,46 @@ class SpeechLMForCausalLM(nn.Module):
         if ends != [s.vocab_start for s in cfg.streams[2:]]:
             raise ValueError("speechlm config: stream_sizes: streams 1..S-1 must be adjacent in the vocabulary")
 
-    def compile_step_functions(self, backend: str | Callable | None) -> None:
-        """Run the per-step device math (`*_eager` below) compiled by torch.compile with `backend`,
-        or eagerly (None). Eagerly it is ~100 small kernel launches per step, the engine's critical
-        path at tens of requests; Inductor fuses them into a few kernels. dynamic=True: one graph
-        serves every batch size >= 2. fullgraph: a graph break is an error, not a slow path."""
-        fns = (self._staged_aux_eager, self._decode_rows_eager, self._primary_logits_eager, self._advance_rows_eager)
-        self._step_backend = backend
-        if backend is not None:
-            fns = tuple(torch.compile(fn, backend=backend, fullgraph=True, dynamic=True) for fn in fns)
-        self._staged_aux, self._decode_rows, self._primary_logits, self._advance_rows = fns
-
-    # ---- lazily built device state ---------------------------------------------------------
-    def _state(self) -> tuple[RequestTable, DecodingRules]:
-        if self.table is None:
-            device = self.lm_head.weight.device
-            self.rules = DecodingRules(self.speech, device)
-            self.table = RequestTable(self.speech, *self._table_shape, device)
-            if self._graph_sizes:
-                self.graphs = StepGraphs(self, self._graph_sizes)
-        return self.table, self.rules
-
-    def use_step_graphs(self, record: Recorder | None = cuda_graph, sizes: list[int] | None = None) -> None:
-        """Step graphs recorded by `record` at `sizes` (default: vLLM's), or none (None)."""
-        self._state()
-        sizes = sizes or self._graph_sizes
-        self.graphs = StepGraphs(self, sizes, record) if record is not None and sizes else None
-
-    # ---- inputs ---------------------------------------------------------------------------
+    # ---- layers -----------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def _aux_embeds(self, aux: torch.Tensor) -> torch.Tensor:
+    def aux_embeds(self, aux: torch.Tensor) -> torch.Tensor:
         """[M, S-1] aux tokens -> [M, H] summed embeddings; pad (0) contributes zero."""
         emb = self.model.embed_input_ids(aux.reshape(-1).long()).view(*aux.shape, -1)
         keep = (aux != self.speech.specials.pad).to(emb.dtype)
         return (emb * keep[..., None]).sum(dim=1)
 
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:  # stream 0 plus the aux streams staged by prepare_runner_inputs
+            inputs_embeds = self.model.embed_input_ids(input_ids) + self.aux_input[: input_ids.shape[0]]
+        return self.model(None, positions, intermediate_tensors, inputs_embeds)
+
+    def aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only."""
+        cfg = self.speech
+        lo, hi, width = cfg.streams[1].vocab_start, cfg.streams[-1].vocab_end, cfg.aux_stream_width
+        weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H]
+        h = hidden[None, :, :] + self.stream_embeddings.weight[1:, None, :]  # [S-1, N, H]
+        return torch.bmm(h, weight.transpose(1, 2)).transpose(0, 1)
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] raw stream-0 logits."""
+        if self.speech.primary_stream_embedding:
+            hidden = hidden + self.stream_embeddings.weight[0]
+        return self.logits_processor(self.lm_head, hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights)
+
+    # ---- vllm-omni runner hooks: each step is `SpeechLMSteps`' -------------------------------
     def prepare_runner_inputs(
         self,
         *,
@@ -231,328 +117,20 @@ class SpeechLMForCausalLM(nn.Module):
         num_scheduled_tokens: np.ndarray,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Before each forward, outside CUDA graphs: note the step's rows and stage the summed
-        aux-stream embeddings of every scheduled token in `_aux_input`, which `forward` adds.
-        The token at position p of a request is output p - prompt_len when p >= prompt_len,
-        and its aux streams are `aux_history[slot, p - prompt_len]` (a re-prefill after
-        preemption rebuilds them from there); prompt tokens have none."""
-        table, _ = self._state()
-        last = self._step
-        step = self._step = StepRows(list(req_ids), computed=num_computed_tokens.astype(np.int64), scheduled=num_scheduled_tokens.astype(np.int64))
-        same_rows = step.req_ids == last.req_ids and table.num_released == last.num_released
-        if same_rows:  # the last step's batch (a decode step's usual case): its rows as that step left them
-            step.entries, step.slots, step.prompt_len, step.max_top_k = last.entries, last.slots, last.prompt_len, last.max_top_k
-        else:
-            self._read_rows(step, table)
-        step.num_released = table.num_released
-        for i in np.flatnonzero(step.computed == 0).tolist():  # a first chunk: new, or preempted and now re-prefilled
-            if step.entries[i] is not None:
-                self.num_resumed += 1
-                self.num_resumed_companions += step.entries[i].guided_by is not None
-        if same_rows and last.graphed and (step.scheduled == 1).all():
-            self.num_graph_staged_steps += 1  # each row feeds what it sampled: the step graphs staged it
-            return input_ids, positions
-        row, output = _token_outputs(step.computed, step.scheduled, step.prompt_len)
-        index = to_device(np.stack([step.slots[row], output]), input_ids.device)  # one copy
-        self._aux_input[: row.size] = self._staged_aux(index)
+        self.steps.prepare(input_ids, req_ids, num_computed_tokens, num_scheduled_tokens)
         return input_ids, positions
-
-    @staticmethod
-    def _read_rows(step: StepRows, table: RequestTable) -> None:
-        entries = step.entries = [table.entries.get(r) for r in step.req_ids]  # None: not admitted yet (make_omni_output)
-        step.prompt_len = np.array([_UNKNOWN_LEN if e is None or e.prompt_len is None else e.prompt_len for e in entries])
-        step.slots = np.array([0 if e is None else e.slot for e in entries], dtype=np.int64)
-
-    def _staged_aux_eager(self, index: torch.Tensor) -> torch.Tensor:
-        """[2, T] slot and output index (negative: a prompt token) of each scheduled token ->
-        [T, H] summed embeddings of its aux streams (none for prompt tokens)."""
-        slot, output = index
-        aux = self.table.aux_history[slot, output.clamp(min=0)]
-        aux = torch.where((output >= 0)[:, None], aux, self.speech.specials.pad)
-        return self._aux_embeds(aux)
-
-    def _params(self, info: dict, seed: int | None, req_id: str) -> SpeechSamplingParams:
-        """The request's speech options. They are validated where requests enter (API, generator);
-        one that slips through invalid must not take the engine down, so it decodes with the
-        checkpoint defaults and the error is logged."""
-        raw = dict(info.get(SPEECH_PARAMS_KEY) or {}) | {"seed": seed}
-        try:
-            return SpeechSamplingParams(**raw).resolve(self.speech)
-        except (TypeError, ValueError) as e:
-            logger.error("request %s: invalid speech params (%s); using defaults", req_id, e)
-            return SpeechSamplingParams(seed=seed).resolve(self.speech)
-
-    def _admit(self, row: int, buffers: Sequence[dict] | None, sampling_metadata: Any) -> RequestEntry:
-        """Admit a request on its first step. Its speech options come from its additional
-        information; the aux-stream seed from the engine's own generator for the request
-        (vLLM seeds it with SamplingParams.seed), so both streams follow one seed."""
-        req_id = self._step.req_ids[row]
-        info = buffers[row] if buffers is not None and row < len(buffers) else {}
-        generators = getattr(sampling_metadata, "generators", None) or {}
-        seed = generators[row].initial_seed() if row in generators else None
-        return self.table.admit(req_id, self._params(info, seed, req_id))
 
     def make_omni_output(self, model_outputs: torch.Tensor, **kwargs: Any) -> Any:
         from vllm_omni.model_executor.models.output_templates import OmniOutput
 
-        step = self._step
-        eligible = kwargs.get("request_sample_eligible")
-        if eligible is None or len(eligible) != len(step.entries):
-            eligible = [True] * len(step.entries)
-        step.samples = np.asarray(eligible, dtype=bool).tolist()  # a list, or the runner's array
-        ends = step.computed + step.scheduled
-        buffers, metadata = kwargs.get("model_intermediate_buffer"), kwargs.get("sampling_metadata")
-        for i in np.flatnonzero(step.prompt_len == _UNKNOWN_LEN).tolist():  # not admitted, or prompt not all in
-            entry = step.entries[i]
-            if entry is None:
-                entry = step.entries[i] = self._admit(i, buffers, metadata)
-                step.slots[i], step.max_top_k = entry.slot, None
-            if step.samples[i]:  # its first sampling step: the whole prompt is in
-                entry.prompt_len = step.prompt_len[i] = int(ends[i])
-        self.table.write_admitted()
-        step.generated = ends - np.minimum(step.prompt_len, ends)  # 0 while the prompt is not all in
-        # This step's [N, S] frames are filled on the device (compute_logits, sample) and copied
-        # to the host once, in `sample` (one tiny synchronous copy per request per step halved
-        # throughput at 512 requests); `runner.py` passes the host copy on whole, and vllm-omni's
-        # generic paths get per-row views of it. A fresh host buffer per step: it is read after
-        # the next step began.
-        shape, device = (len(step.entries), self.speech.num_streams), model_outputs.device
-        self._frames_host = host = torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        frames = FrameRows(host, step.samples)
-        codes = frames if kwargs.get(FRAME_ROWS_KWARG) else [frames.row(i) for i in range(len(step.samples))]
+        codes = self.steps.output(model_outputs.device, **kwargs)
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs={"codes": {"audio": codes}})
 
-    # ---- backbone -------------------------------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **_: Any,
-    ) -> torch.Tensor:
-        if inputs_embeds is None:  # stream 0 plus the aux streams staged by prepare_runner_inputs
-            inputs_embeds = self.model.embed_input_ids(input_ids) + self._aux_input[: input_ids.shape[0]]
-        return self.model(None, positions, intermediate_tensors, inputs_embeds)
-
-    # ---- heads and sampling ---------------------------------------------------------------
-    def _aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only."""
-        cfg = self.speech
-        lo, hi, width = cfg.streams[1].vocab_start, cfg.streams[-1].vocab_end, cfg.aux_stream_width
-        weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H]
-        h = hidden[None, :, :] + self.stream_embeddings.weight[1:, None, :]  # [S-1, N, H]
-        return torch.bmm(h, weight.transpose(1, 2)).transpose(0, 1)
-
-    def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] raw stream-0 logits."""
-        if self.speech.primary_stream_embedding:
-            hidden = hidden + self.stream_embeddings.weight[0]
-        return self.logits_processor(self.lm_head, hidden)
-
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor | None:
-        step, n, device = self._step, hidden_states.shape[0], hidden_states.device
-        step.sampled, step.graphed = None, False
-        if len(step.entries) != n or self._frames_host is None:  # profiling / warm-up: no requests
-            raw = self._raw_logits(hidden_states)
-            if self._step_backend is not None and n >= 4:
-                self._warm_up_step_functions(hidden_states, raw)
-            return raw
-        table, _ = self._state()
-        if step.max_top_k is None:
-            step.max_top_k = max(e.max_top_k for e in step.entries)
-        generated = np.minimum(step.generated, table.max_output_len - 1)
-        no_text_rows = table.num_text_capable == 0
-        step.guided = self._guided_rows(step, device) if table.num_companions else None
-        all_sample = all(step.samples)
-        if self.graphs is not None and step.guided is None and all_sample:
-            logits = self.graphs.logits(hidden_states, step.slots, generated, step.max_top_k, no_text_rows)
-            if logits is not None:
-                step.graphed = True
-                return logits
-        step.index = to_device(np.stack([step.slots, generated]), device)  # [2, N], one copy
-        # Rows that really sample (not a partial prefill chunk) update the request's state.
-        step.sampled = slice(None) if all_sample else to_device(np.flatnonzero(step.samples), device)
-        self._frames = torch.zeros(n, self.speech.num_streams, dtype=torch.long, device=device)
-        return self._logits_step(hidden_states, step.index, step.max_top_k, no_text_rows, step.guided, self._frames, step.sampled)
-
-    def _logits_step(
-        self,
-        hidden: torch.Tensor,
-        index: torch.Tensor,
-        max_top_k: int,
-        no_text_rows: bool,
-        guided: tuple | None,
-        frames: torch.Tensor,
-        rows: slice | torch.Tensor,
-    ) -> torch.Tensor:
-        """compute_logits' device work (also the body of a step graph): [N, H] hidden states, [2, N]
-        slots and output indices -> [N, V] what vLLM's sampler gets; writes the aux streams into
-        [N, S] `frames` and, for the sampling `rows`, into the aux history."""
-        raw = self._raw_logits(hidden)
-        noise = self._global_aux_noise(hidden.shape[0], hidden.device)
-        raw, kinds, aux = self._decode_rows(hidden, raw, index, max_top_k, noise, guided)
-        frames[:, 1:] = aux
-        self.table.aux_history[index[0][rows], index[1][rows]] = aux[rows]
-        return self._primary_logits(raw, kinds, index, max_top_k, no_text_rows)
-
-    def _stage_next_aux(self, aux: torch.Tensor) -> None:
-        """[N, S-1] this step's aux streams -> the next step's aux input, should it decode the same
-        rows (a step graph's tail; prepare_runner_inputs restages any other step)."""
-        self._aux_input[: aux.shape[0]] = self._aux_embeds(aux)
-
-    def _global_aux_noise(self, n: int, device: torch.device) -> torch.Tensor:
-        """[N, S-1, W] Exp(1) noise from the global RNG (`_decode_rows` gives seeded rows their own)."""
-        return torch.empty(n, self.speech.num_streams - 1, self.speech.aux_stream_width, device=device).exponential_()
-
-    def _decode_rows_eager(
-        self,
-        hidden: torch.Tensor,
-        raw: torch.Tensor,
-        index: torch.Tensor,
-        max_top_k: int,
-        noise: torch.Tensor,
-        guided: tuple | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's math after the LM head, without side effects: [N, H] hidden states, [N, V]
-        raw stream-0 logits, [2, N] slots and output indices, the rows' largest top-k,
-        [N, S-1, W] noise from the global RNG (seeded rows get their own) -> stream-0 logits
-        (CFG-merged), [N] row kinds, [N, S-1] aux stream ids (int32; pad where not sampled)."""
-        table, rules = self.table, self.rules
-        slots, generated = index
-        rows = table.row_sampling(slots, max_top_k)
-        phase_step = table.phase_step[slots]
-        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
-        aux_logits = self._aux_logits(hidden)
-        if guided is not None:
-            raw, aux_logits = self._merge_guided(raw, aux_logits, kinds, guided)
-        aux = rules.sample_aux_streams(aux_logits, rows, table.aux_noise(slots, generated, noise)) + self.aux_start
-        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
-        if guided is not None:  # the companion is fed the main's tokens
-            main, companion, _ = guided
-            aux[companion] = aux[main]
-        return raw, kinds, aux.to(torch.int32)
-
-    def _primary_logits_eager(
-        self, raw: torch.Tensor, kinds: torch.Tensor, index: torch.Tensor, max_top_k: int, no_text_rows: bool
-    ) -> torch.Tensor:
-        """What vLLM's sampler gets (a function of its own: its variants double the graphs)."""
-        rows = self.table.row_sampling(index[0], max_top_k)
-        return self.rules.process_primary_logits(raw, kinds, rows, no_text_rows)
-
-    def _warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
-        """Compile now; if that fails, the step math runs eagerly (correct, slower) rather than
-        the engine going down."""
-        try:
-            self._compile_step_functions_now(hidden, raw)
-        except Exception:
-            logger.exception("speech LM step functions failed to compile; running them eagerly")
-            self.compile_step_functions(None)
-
-    @torch.inference_mode()  # as vLLM runs steps: grad mode is part of a graph's guards
-    def _compile_step_functions_now(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
-        """vLLM's dummy sampler run: compile the step functions now for the variants serving
-        meets (one row or more, text rows or none, CFG pairs, partial prefill chunks: at most 6
-        graphs a function, under dynamo's limit of 8, which fullgraph makes an error), so no
-        request waits on a compile. Inputs take the forms a step passes (a graph guards on
-        dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
-        self._state()  # the tables the functions read
-        start, device = time.perf_counter(), hidden.device
-        set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
-        arange = functools.partial(torch.arange, device=device)
-        # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
-        with fx_config.patch(use_duck_shape=False):
-            for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
-                index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
-                noise = self._global_aux_noise(n, device)
-                guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
-                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
-                for no_text_rows in (False, True):
-                    self._primary_logits(merged, kinds, index, 2, no_text_rows)
-                sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
-                for idx in (slice(None), arange(0), arange(1), arange(min(n, 2))):
-                    self._advance_rows(sampled, index, idx)
-                self._staged_aux(index)
-        logger.info("speech LM step functions compiled in %.1f s", time.perf_counter() - start)
-
-    def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
-        """(main row, companion row, cfg scale) of this step's CFG pairs, or None. The scheduler
-        schedules a pair's members together, so both rows sample the same output position."""
-        row = {e.req_id: i for i, e in enumerate(step.entries)}
-        pairs = [
-            (row[e.guided_by], i, step.entries[row[e.guided_by]].params.cfg_scale)
-            for i, e in enumerate(step.entries)
-            if e.guided_by in row and step.samples[i]
-        ]
-        if not pairs:
-            return None
-        main, companion, scale = zip(*pairs)
-        scale = torch.tensor(scale, dtype=torch.float32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-        return to_device(list(main), device), to_device(list(companion), device), scale
-
-    @staticmethod
-    def _merge_guided(raw: torch.Tensor, aux: torch.Tensor, kinds: torch.Tensor, guided: tuple) -> tuple:
-        """CFG on the main rows' raw logits, every stream, audio rows only (the row kind was read
-        from the conditional logits, so modality choices are never guided). Companion rows take
-        their main's kind: whatever they sample is replaced by the main's tokens."""
-        main, companion, scale = guided
-        kinds[companion] = kinds[main]
-        audio = is_audio_row(kinds[main])
-        raw, aux = raw.float(), aux.float()
-        merged = merge_guided(raw[main], raw[companion], scale[:, None])
-        raw[main] = torch.where(audio[:, None], merged, raw[main])
-        merged = merge_guided(aux[main], aux[companion], scale[:, None, None])
-        aux[main] = torch.where(audio[:, None, None], merged, aux[main])
-        return raw, aux
+        return self.steps.logits(hidden_states)
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
-        out = self.sampler(logits, sampling_metadata)
-        step, sampled = self._step, out.sampled_token_ids
-        if step.graphed:
-            token, frames = self.graphs.advance(sampled), self.graphs.frames[: sampled.shape[0]]
-        elif step.sampled is not None:
-            if step.guided is not None:  # in place: vLLM feeds these ids to the next step
-                main, companion, _ = step.guided
-                sampled[companion] = sampled[main]
-            token, frames = self._advance_step(sampled, step.index, step.sampled, self._frames), self._frames
-        else:
-            return out
-        sampled[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
-        # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
-        self._frames_host.copy_(frames, non_blocking=True)
-        step.sampled = None
-        return out
+        return self.steps.sample(logits, sampling_metadata)
 
-    def _advance_step(self, sampled: torch.Tensor, index: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        """sample's device work (also the body of a step graph): [N, 1] sampled ids -> [N] emitted
-        ids, written into stream 0 of `frames`; the sampling `rows` advance their phases."""
-        token, phase, phase_step = self._advance_rows(sampled, index, rows)
-        frames[:, 0] = token
-        slots = index[0][rows]
-        self.table.phase[slots], self.table.phase_step[slots] = phase, phase_step
-        return token
-
-    def _advance_rows_eager(
-        self, sampled: torch.Tensor, index: torch.Tensor, idx: slice | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[N, 1] sampled stream-0 ids, [2, N] rows' slots and output indices, the rows that
-        sample (`idx`) -> [N] emitted ids (a drain family's first eos is emitted deferred: vLLM
-        would stop on it) and the sampling rows' next phase and phase step."""
-        table, rules = self.table, self.rules
-        slots = index[0][idx]
-        token, phase = sampled[:, 0].clone(), table.phase[slots]
-        token[idx] = rules.emitted_token(phase, token[idx].long()).to(token.dtype)
-        nxt, nxt_step = rules.step(phase, table.phase_step[slots], token[idx].long())
-        return token, nxt, nxt_step
-
-    # ---- lifecycle ------------------------------------------------------------------------
     def on_requests_finished(self, finished_req_ids: set[str] | list[str]) -> None:
-        if self.table is not None:
-            self.table.release(finished_req_ids)
-
-    def num_live_requests(self) -> int:
-        """Requests holding per-request state (tests assert it returns to 0)."""
-        return 0 if self.table is None else len(self.table)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights)
+        self.steps.release(finished_req_ids)

@@ -70,17 +70,18 @@ class _Graphs:
 
 
 class StepGraphs:
-    """Static inputs and the recorded graphs of one model (see the module docstring). The model
-    supplies the bodies: `_logits_step`, `_advance_step`, `_stage_next_aux`."""
+    """Static inputs and the recorded graphs of one model (see the module docstring). The model's
+    `SpeechLMSteps` supplies the bodies: `logits_step`, `advance_step`, `stage_next_aux`."""
 
-    def __init__(self, model: Any, sizes: Sequence[int], record: Recorder = cuda_graph):
-        self.model, self.record = model, record
+    def __init__(self, steps: Any, sizes: Sequence[int], record: Recorder = cuda_graph):
+        self.steps, self.record = steps, record
         self.sizes = sorted(set(sizes))
-        m, device = self.sizes[-1], model.lm_head.weight.device
-        self.hidden = torch.zeros(m, model.lm_head.weight.shape[1], dtype=model.lm_head.weight.dtype, device=device)
+        weight = steps.model.lm_head.weight
+        m, device = self.sizes[-1], weight.device
+        self.hidden = torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=device)
         self._index = torch.zeros(2 * m, dtype=torch.long, device=device)  # [2, size] views, contiguous
         self.sampled = torch.zeros(m, 1, dtype=torch.int32, device=device)
-        self.frames = torch.zeros(m, model.speech.num_streams, dtype=torch.long, device=device)
+        self.frames = torch.zeros(m, steps.speech.num_streams, dtype=torch.long, device=device)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._graphs: dict[tuple, _Graphs] = {}
         self._table_generation = -1
@@ -103,7 +104,7 @@ class StepGraphs:
         if graphs is None:
             return None
         index = np.zeros((2, size), dtype=np.int64)  # padding rows: the scratch slot, output 0
-        index[0] = self.model.table.scratch
+        index[0] = self.steps.table.scratch
         index[0, :n], index[1, :n] = slots, generated
         self.index(size).copy_(to_device(index, hidden.device), non_blocking=True)
         self.hidden[:n].copy_(hidden)
@@ -119,7 +120,7 @@ class StepGraphs:
         return graphs.advance()[:n]
 
     def _graphs_for(self, key: tuple) -> _Graphs | None:
-        table = self.model.table
+        table = self.steps.table
         if table.generation != self._table_generation:  # the table grew: graphs hold old addresses
             self._graphs.clear()
             self._table_generation = table.generation
@@ -130,17 +131,17 @@ class StepGraphs:
 
     def _record(self, size: int, max_top_k: int, no_text_rows: bool) -> _Graphs | None:
         """Record both graphs of a key. Their first (eager) runs touch only the scratch slot."""
-        model, index = self.model, self.index(size)
-        index[0], index[1] = model.table.scratch, 0
+        steps, index = self.steps, self.index(size)
+        index[0], index[1] = steps.table.scratch, 0
         hidden, sampled, frames = self.hidden[:size], self.sampled[:size], self.frames[:size]
 
         def logits() -> torch.Tensor:
-            out = model._logits_step(hidden, index, max_top_k, no_text_rows, None, frames, slice(None))
-            model._stage_next_aux(frames[:, 1:])
+            out = steps.logits_step(hidden, index, max_top_k, no_text_rows, None, frames, slice(None))
+            steps.stage_next_aux(frames[:, 1:])
             return out
 
         def advance() -> torch.Tensor:
-            return model._advance_step(sampled, index, slice(None), frames)
+            return steps.advance_step(sampled, index, slice(None), frames)
 
         try:
             graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))

@@ -5,19 +5,17 @@ See ``cpu.py`` for the platform and the overall design.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import vllm.v1.worker.cpu_worker as _vllm_cpu_worker
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
-from vllm_omni_speechlm.runner import SpeechLMRunnerMixin
+from vllm_omni_speechlm.compat import building_cpu_runner, torch_cuda_wrapper
+from vllm_omni_speechlm.stage0.runner import SpeechLMRunnerMixin
 
 
 class _CPURunnerMixin:
@@ -30,7 +28,7 @@ class _CPURunnerMixin:
     """
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
-        with _torch_cuda_wrapper():
+        with torch_cuda_wrapper():
             super().__init__(vllm_config, device)  # type: ignore[call-arg]
         self._postprocess_tensors()  # type: ignore[attr-defined]
 
@@ -43,23 +41,6 @@ class CPUGenerationModelRunner(_CPURunnerMixin, GPUGenerationModelRunner, CPUMod
     """vllm-omni generation runner (no sampling; tensors out) on vLLM's CPU runner."""
 
 
-@contextlib.contextmanager
-def _cpu_worker_builds(runner_cls: type) -> Iterator[None]:
-    """Make ``CPUWorker.init_device`` construct ``runner_cls`` instead of ``CPUModelRunner``.
-
-    ``init_device`` does the CPU-specific process setup (LD_PRELOAD checks, thread binding,
-    gloo init, seeding) and then instantiates the module-global ``CPUModelRunner``. Swapping that
-    one name for the duration of the call reuses all of it without copying it; the attribute
-    lookup fails loudly if vLLM renames it.
-    """
-    original = _vllm_cpu_worker.CPUModelRunner
-    _vllm_cpu_worker.CPUModelRunner = runner_cls
-    try:
-        yield
-    finally:
-        _vllm_cpu_worker.CPUModelRunner = original
-
-
 class _CPUOmniWorker(OmniWorkerMixin, CPUWorker):
     model_runner_cls: type[CPUModelRunner]
 
@@ -69,7 +50,7 @@ class _CPUOmniWorker(OmniWorkerMixin, CPUWorker):
                 "vllm-omni's Model Runner V2 is CUDA-only; on CPU set `model_runner: v1` "
                 "(deploy YAML, e.g. under `platforms: cpu:`) and leave VLLM_USE_V2_MODEL_RUNNER unset."
             )
-        with _cpu_worker_builds(self.model_runner_cls):
+        with building_cpu_runner(self.model_runner_cls):
             super().init_device()
 
 

@@ -116,7 +116,7 @@ class ReferenceSpeechLM:
     def generate(self, prompt_ids: list[int], params: SpeechSamplingParams) -> ReferenceOutput:
         cfg, rules = self.cfg, self.rules
         p = params.resolve(cfg)
-        rows = RowSampling.from_params([p], self.device)
+        rows = RowSampling.from_values([p.row_values()], self.device)
         g0 = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
         mode = torch.tensor([int(p.modality)], device=self.device)
         phase = torch.tensor([int(Phase.START)], device=self.device)

@@ -20,7 +20,6 @@ away cancels the handler, and vllm-omni's engine client then aborts the request 
 
 import base64
 import dataclasses
-import inspect
 import time
 import uuid
 from http import HTTPStatus
@@ -29,13 +28,13 @@ from typing import Any
 import torch
 
 from vllm_omni_speechlm.audio import to_wav
+from vllm_omni_speechlm.compat import dispatch_chat_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.pipeline import CODEC_STAGE
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
-ROUTE = "/v1/chat/completions"
 MODALITIES = {("text",): "text", ("audio", "text"): "text+audio", ("audio",): "audio"}
 # Request fields this route reads; any other field a client sets is an error.
 ACCEPTED_FIELDS = {"messages", "model", "modalities", "audio", "temperature", "top_k", "max_tokens",
@@ -219,32 +218,5 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any
 
 
 def register_route() -> None:
-    """Put a dispatcher in place of vllm-omni's chat route (before its app is built): speech LMs
-    get this module's handler, every other model vllm-omni's own (its undecorated handler under
-    the same request parsing and decorators)."""
-    from fastapi import Request
-    from fastapi.routing import APIRoute
-    from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
-    from vllm_omni.entrypoints.openai import api_server
-
-    routes = api_server.router.routes
-    index = next(
-        (i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == ROUTE and "POST" in r.methods), None
-    )
-    if index is None or getattr(routes[index].endpoint, "_speechlm_dispatch", False):
-        return  # already replaced (the plugin runs more than once), or nothing to replace
-    stock = routes[index]
-    stock_handler = inspect.unwrap(stock.endpoint)
-
-    @with_cancellation
-    @load_aware_call
-    async def create_chat_completion(request: api_server.ChatCompletionRequest, raw_request: Request):
-        if is_speechlm(raw_request.app.state.engine_client):
-            return await create_speechlm_chat_completion(request, raw_request)
-        return await stock_handler(request, raw_request)
-
-    create_chat_completion._speechlm_dispatch = True  # type: ignore[attr-defined]
-    del routes[index]
-    api_server.router.add_api_route(
-        ROUTE, create_chat_completion, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses
-    )
+    """Speech-LM checkpoints get this module's handler, every other model vllm-omni's own."""
+    dispatch_chat_route(is_speechlm, create_speechlm_chat_completion)

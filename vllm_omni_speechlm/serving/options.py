@@ -9,14 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+from vllm_omni_speechlm.sampling_params import MODEL_OPTIONS, SpeechSamplingParams
 
-# Options a request may set besides the OpenAI fields of its route (names of SpeechSamplingParams).
-MODEL_OPTIONS = ("cfg_scale", "text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "max_text_tokens")
 # Longest input text accepted before tokenizing (the token limit is checked after).
 MAX_INPUT_CHARS = 100_000
-# Largest per-request first streaming window, in codec frames (2 s at 50 frames/s).
-MAX_INITIAL_CHUNK_FRAMES = 100
 # When a request sets no max tokens: at most this many, within the model's length limit.
 DEFAULT_MAX_TOKENS = 2048
 
@@ -54,14 +50,6 @@ def max_tokens(requested: int | None, budget: int, field: str) -> int:
     if requested > budget:
         raise ValueError(f"{field}: {requested} is more than this prompt leaves of the model's length ({budget})")
     return requested
-
-
-def initial_chunk_frames(value: Any, field: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INITIAL_CHUNK_FRAMES:
-        raise ValueError(f"{field}: must be an integer in [1, {MAX_INITIAL_CHUNK_FRAMES}], got {value!r}")
-    return value
 
 
 def sampling_params(modality: str, options: dict[str, Any], **fields: Any) -> SpeechSamplingParams:

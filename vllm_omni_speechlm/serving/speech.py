@@ -28,6 +28,7 @@ from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.model_info import served_model
+from vllm_omni_speechlm.streaming import initial_chunk_frames
 from vllm_omni_speechlm.tokenizer import encode_prompt
 
 # The released model often stops before any audio without a system turn (model facts).
@@ -90,7 +91,7 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
                 if not isinstance(request.instructions, str) or len(request.instructions) > MAX_INSTRUCTIONS_CHARS:
                     raise ValueError(f"instructions: expected a string of at most {MAX_INSTRUCTIONS_CHARS} characters")
             _check_unsupported(request)
-            options.initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
+            initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
             speech_params(request)
         except ValueError as e:
             return str(e)
@@ -106,15 +107,16 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
         model = served_model(self.ctx.engine_client)
         system = request.instructions if request.instructions and request.instructions.strip() else DEFAULT_SYSTEM
         ids = encode_prompt(model.tokenizer, model.cfg, request.input, system=system)
-        first = options.initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
+        first = initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
         return PreparedRequest(prompt=engine_prompt(ids, self._params(request, len(ids)), first), model_type=self.name)
 
     def apply_sampling_overrides(
         self, sampling_params_list: list, request: Any, prompt: dict | None = None, request_id: str | None = None
     ) -> list:
         """Stage 0 samples the way the model's per-modality rules need (engine temperature, no
-        engine top-k, the request's token limit); the codec stage keeps its deploy defaults."""
-        params = self._params(request, len((prompt or {})["prompt_token_ids"]))
+        engine top-k, the request's token limit: the options `build` put in the prompt); the
+        codec stage keeps its deploy defaults."""
+        params = SpeechSamplingParams.from_info((prompt or {}).get("additional_information"), seed=request.seed)
         out = list(sampling_params_list)
         cfg = served_model(self.ctx.engine_client).cfg
         out[0] = stage0_sampling_params(cfg, params, output_kind=out[0].output_kind)

@@ -1,0 +1,118 @@
+"""OpusLM and OpusLM-Dialogue Stage 0 on the real vLLM-Omni engine (CPU, float32): all 9 streams
+equal the reference, the drain included (the de-interleaved matrix is complete: exactly T frames,
+T = the number of SSL units before the eos)."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+from conftest import step_graphs_eagerly, worker_sum
+from vllm_omni_speechlm.decoding import RowKind
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
+PROMPT, SYSTEM = "Say hello to the world.", "Be brief."
+FAMILIES = ["opuslm", "opuslm-dialogue"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(generator, reference) of one family; one engine at a time (module fixture, per param)."""
+    from vllm_omni_speechlm.generator import SpeechLMGenerator
+    from vllm_omni_speechlm.reference import ReferenceSpeechLM
+
+    model_dir = request.getfixturevalue("tiny_opuslm" if request.param == "opuslm" else "tiny_opuslm_dialogue")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    with SpeechLMGenerator(model_dir, **ENGINE) as gen:
+        yield gen, ReferenceSpeechLM(model_dir)
+
+
+def live_requests(model) -> int:
+    return len(model.steps)
+
+
+def drained(ref) -> bool:
+    """The reference ended its audio with a drain: deferred eos, S-1 pads, eos."""
+    return bool((ref.kinds == RowKind.FORCE_EOS).any())
+
+
+def assert_complete_drain(tokens: torch.Tensor, codes: torch.Tensor, cfg) -> None:
+    """[L, S] tokens ending in a drain -> T SSL units, T complete frames, no pad inside them."""
+    s, sp, dec = cfg.num_streams, cfg.specials, cfg.decoding
+    s0 = tokens[:, 0]
+    eos_at = int((s0 == dec.deferred_eos).nonzero()[0])
+    assert s0[eos_at + 1 : eos_at + s].tolist() == [sp.pad] * (s - 1) and int(s0[-1]) == sp.eos
+    assert len(s0) == eos_at + s + 1
+    ssl = cfg.streams[0]
+    num_units = int(((s0 >= ssl.vocab_start) & (s0 < ssl.vocab_end)).sum())
+    assert codes.shape == (num_units, cfg.codec.num_quantizers)
+    assert num_units >= dec.min_audio_frames
+    # Every aux stream carries a code on each of its T rows (warm-up and drain pads are outside).
+    first = eos_at - num_units
+    for stream in range(1, s):
+        rows = tokens[first + stream : first + stream + num_units, stream]
+        spec = cfg.streams[stream]
+        assert bool(((rows >= spec.vocab_start) & (rows < spec.vocab_end)).all())
+
+
+CASES = {
+    "audio-0": dict(modality="audio", seed=0),
+    "audio-1": dict(modality="audio", seed=1),
+    "audio-3": dict(modality="audio", seed=3),
+    "text": dict(modality="text", seed=1),
+    "auto": dict(modality="auto", seed=1),
+    "text+audio": dict(modality="text+audio", max_text_tokens=3, seed=0),
+    "greedy": dict(modality="audio", audio_temperature=0.0, text_temperature=0.0),
+    "top-k": dict(modality="audio", audio_temperature=1.3, audio_top_k=5, seed=5),
+}
+
+
+@pytest.mark.parametrize("kw", CASES.values(), ids=CASES.keys())
+def test_matches_reference(family, kw):
+    gen, reference = family
+    kw = dict(max_tokens=60, **kw)
+    [result] = gen.generate(PROMPT, system=SYSTEM, **kw)
+    ref = reference.generate(gen.encode(PROMPT, SYSTEM), SpeechSamplingParams(**kw))
+    tokens = torch.tensor(result["stream_token_ids"])
+    assert torch.equal(tokens, ref.tokens)
+    assert result["token_ids"] == ref.token_ids
+    assert result["text"] == ref.text and result["finish_reason"] == ref.finish_reason
+    assert (result["audio"] is None) == (ref.audio is None)
+    if drained(ref):
+        assert_complete_drain(tokens, ref.codes, gen.cfg)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["ungraphed", "step-graphs"])
+def test_concurrent_requests_equal_solo_runs(family, graphs):
+    """8 requests of different modes in one batch, ending and draining at different steps; also
+    with the steps run as step graphs replay them (padded batches as requests end)."""
+    gen, reference = family
+    worker_sum(gen.omni, functools.partial(step_graphs_eagerly, graphs))
+    try:
+        _assert_batch_equals_solo_runs(gen, reference)
+    finally:
+        worker_sum(gen.omni, functools.partial(step_graphs_eagerly, False))
+
+
+def _assert_batch_equals_solo_runs(gen, reference) -> None:
+    modes = ["audio", "text+audio", "auto", "audio"] * 2
+    batch = []
+    for i, mode in enumerate(modes):
+        kw = dict(modality=mode, seed=3, max_tokens=60, max_text_tokens=2 + i)
+        ids = gen.encode(f"{PROMPT} {'again ' * i}".strip(), None)
+        batch.append((gen.engine_request(ids, SpeechSamplingParams(**kw)), kw, ids))
+    engine_params = batch[0][0][1]
+    assert all(b[0][1] == engine_params for b in batch)  # only the speech options differ
+    outputs = gen.omni.generate([b[0][0] for b in batch], [engine_params], use_tqdm=False)
+    assert len(outputs) == 8
+    num_drained = num_capped = 0
+    for out in outputs:
+        _, kw, ids = batch[int(out.request_id.split("_", 1)[0])]
+        ref = reference.generate(ids, SpeechSamplingParams(**kw))
+        assert torch.equal(torch.tensor(gen.result(out)["stream_token_ids"]), ref.tokens)
+        num_drained += drained(ref)
+        num_capped += ref.finish_reason == "length"
+    assert num_drained >= 1 and num_capped >= 1  # requests drain while others still decode
+    assert worker_sum(gen.omni, live_requests) == 0

@@ -1,0 +1,412 @@
+"""The OpenAI-compatible server: `vllm serve TINY --omni --deploy-config bagpiper_streaming_cpu_tiny.yaml`.
+
+One real server for the module (tiny checkpoint, float32 on CPU), driven over HTTP by the OpenAI
+Python SDK and httpx, and through the Gradio demo in headless Chromium. Audio is checked against the plain-PyTorch reference (same prompt, same
+seed): non-streaming, raw-audio streaming and SSE must all carry exactly the reference's waveform.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import new_shm, shm_names, start_speechlm_server
+from devtools.launch import free_port
+from vllm_omni_speechlm.audio import to_pcm16
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+from vllm_omni_speechlm.serving.speech import DEFAULT_SYSTEM
+from vllm_omni_speechlm.tokenizer import encode_prompt
+
+DEPLOY = "bagpiper_streaming_cpu_tiny.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "gradio_demo.py"
+TEXT = "Say hello to the world."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bagpiper, tmp_path_factory):
+    yield from start_speechlm_server(tiny_bagpiper, DEPLOY, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300)
+
+
+def _pcm16(waveform) -> np.ndarray:
+    """The chat route's PCM16 (vllm_omni_speechlm.audio)."""
+    return np.frombuffer(to_pcm16(waveform), dtype=np.int16)
+
+
+def _speech_pcm16(waveform) -> np.ndarray:
+    """The speech route's PCM16: vllm-omni encodes with soundfile (libsndfile's float -> PCM_16)."""
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, waveform.float().numpy(), 16000, format="RAW", subtype="PCM_16")
+    return np.frombuffer(buf.getvalue(), dtype=np.int16)
+
+
+def _reference_pcm(reference, text: str, system: str = DEFAULT_SYSTEM, **kw) -> np.ndarray:
+    ids = encode_prompt(reference.tokenizer, reference.cfg, text, system=system)
+    out = reference.generate(ids, SpeechSamplingParams(**kw))
+    assert out.audio is not None, "the test request must produce audio"
+    return _speech_pcm16(out.audio)
+
+
+def _assert_pcm_equal(got: bytes, want: np.ndarray) -> None:
+    pcm = np.frombuffer(got, dtype=np.int16)
+    assert pcm.shape == want.shape
+    # float32 rounding through the decoder can move a sample across a PCM16 rounding boundary
+    assert np.abs(pcm.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def _speech(client, **extra):
+    body = {"seed": 3, "max_new_tokens": 120} | extra
+    return dict(model=client.models.list().data[0].id, voice="default", input=TEXT, response_format="pcm",
+                extra_body=body)
+
+
+# ---- /v1/audio/speech ----------------------------------------------------------------------------
+
+
+def test_speech_matches_reference_streaming_and_not(client, reference):
+    """The same seed gives the same audio three ways: one response, raw-audio chunks, SSE deltas;
+    all equal the reference's whole-clip decoding (PCM16)."""
+    kw = _speech(client, initial_codec_chunk_frames=5)
+    want = _reference_pcm(reference, TEXT, modality="audio", seed=3, max_tokens=120)
+    full = client.audio.speech.create(**kw).content
+    _assert_pcm_equal(full, want)
+
+    with client.audio.speech.with_streaming_response.create(**kw, stream_format="audio") as resp:
+        chunks = list(resp.iter_bytes())
+    assert len(chunks) >= 3, "audio must arrive in several chunks"
+    assert b"".join(chunks) == full
+
+    with client.audio.speech.with_streaming_response.create(**kw, stream_format="sse") as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+    assert events[-1]["type"] == "speech.audio.done" and len(deltas) >= 3
+    assert b"".join(deltas) == full
+
+
+def test_first_window_per_request(server):
+    """initial_codec_chunk_frames sets this request's first streamed window (frames x 320 samples)."""
+    body = {"input": TEXT, "seed": 3, "max_new_tokens": 120, "response_format": "pcm", "stream_format": "audio"}
+    for first in (3, 12):
+        with httpx.stream("POST", server.url + "/v1/audio/speech", json=body | {"initial_codec_chunk_frames": first},
+                          timeout=300) as resp:
+            assert resp.status_code == 200
+            chunk = next(resp.iter_raw())
+        assert len(chunk) == first * 320 * 2
+
+
+def test_wav_and_compressed_formats(client, reference):
+    kw = _speech(client)
+    wav = client.audio.speech.create(**(kw | {"response_format": "wav"})).content
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16000, 1, 2)
+        _assert_pcm_equal(w.readframes(w.getnframes()), _reference_pcm(reference, TEXT, modality="audio", seed=3,
+                                                                        max_tokens=120))
+    for fmt, magic in (("flac", b"fLaC"), ("mp3", None), ("opus", b"OggS")):
+        data = client.audio.speech.create(**(kw | {"response_format": fmt})).content
+        assert len(data) > 100 and (magic is None or data.startswith(magic)), fmt
+
+
+def test_model_options_reach_the_model(client, reference):
+    """Per-modality sampling options and the text+audio mode change the audio exactly as the
+    reference says they do."""
+    opts = {"extra_params": {"modality": "text+audio", "max_text_tokens": 4, "audio_temperature": 1.3,
+                             "audio_top_k": 5, "text_temperature": 0.2}}
+    got = client.audio.speech.create(**_speech(client, seed=11, max_new_tokens=90, **opts)).content
+    want = _reference_pcm(reference, TEXT, modality="text+audio", max_text_tokens=4, audio_temperature=1.3,
+                          audio_top_k=5, text_temperature=0.2, seed=11, max_tokens=90)
+    _assert_pcm_equal(got, want)
+    # A guided request streams through both stages and equals the reference's CFG decoding.
+    got = client.audio.speech.create(**_speech(client, seed=5, max_new_tokens=60, extra_params={"cfg_scale": 3.0})).content
+    _assert_pcm_equal(got, _reference_pcm(reference, TEXT, modality="audio", cfg_scale=3.0, seed=5, max_tokens=60))
+
+
+def test_instructions_are_the_system_turn(client, reference):
+    got = client.audio.speech.create(**_speech(client, instructions="Speak slowly.")).content
+    _assert_pcm_equal(got, _reference_pcm(reference, TEXT, system="Speak slowly.", modality="audio", seed=3,
+                                          max_tokens=120))
+
+
+# ---- bad input: 4xx with the field named, never a 500 --------------------------------------------
+BAD_SPEECH = [
+    ({"input": ""}, "input"),
+    ({"input": "   "}, "input"),
+    ({"input": "x" * 200_001}, "input"),
+    ({"input": "hello " * 2000}, "input"),  # fits the character limit, not the model's length
+    ({"input": 5}, "input"),
+    ({"input": None}, "input"),
+    ({}, "input"),
+    ({"input": "Hi", "response_format": "ogg"}, "response_format"),
+    ({"input": "Hi", "stream": True, "response_format": "mp3"}, "response_format"),
+    ({"input": "Hi", "stream_format": "video"}, "stream_format"),
+    ({"input": "Hi", "extra_params": {"cfg_scale": 50}}, "cfg_scale"),
+    ({"input": "Hi", "extra_params": {"cfg_scale": 0.5}}, "cfg_scale"),
+    ({"input": "Hi", "extra_params": {"cfg_scale": "NaN"}}, "cfg_scale"),
+    ({"input": "Hi", "extra_params": {"cfg_scale": None, "audio_temperature": -1}}, "audio_temperature"),
+    ({"input": "Hi", "extra_params": {"audio_top_k": 2.5}}, "audio_top_k"),
+    ({"input": "Hi", "extra_params": {"text_temperature": True}}, "text_temperature"),
+    ({"input": "Hi", "extra_params": {"max_text_tokens": 0}}, "max_text_tokens"),
+    ({"input": "Hi", "extra_params": {"modality": "text"}}, "modality"),
+    ({"input": "Hi", "extra_params": {"temperature": 0.5}}, "temperature"),
+    ({"input": "Hi", "extra_params": [1, 2]}, "extra_params"),
+    ({"input": "Hi", "seed": -1}, "seed"),
+    ({"input": "Hi", "seed": "seven"}, "seed"),
+    ({"input": "Hi", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"input": "Hi", "max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"input": "Hi", "initial_codec_chunk_frames": 0}, "initial_codec_chunk_frames"),
+    ({"input": "Hi", "initial_codec_chunk_frames": 10**4}, "initial_codec_chunk_frames"),
+    ({"input": "Hi", "voice": "alloy"}, "voice"),
+    ({"input": "Hi", "speed": 1.5}, "speed"),
+    ({"input": "Hi", "sample_rate": 24000}, "sample_rate"),
+    ({"input": "Hi", "ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio"),
+    ({"input": "Hi", "language": "French"}, "language"),
+]
+BAD_CHAT = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0]"),
+    ({"modalities": ["video"]}, "modalities"),
+    ({"modalities": "audio"}, "modalities"),
+    ({"audio": {"format": "mp3"}, "modalities": ["text", "audio"]}, "audio.format"),
+    ({"audio": {"voice": "alloy"}, "modalities": ["text", "audio"]}, "audio.voice"),
+    ({"stream": True}, "stream"),
+    ({"n": 2}, "n"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 0.5, "text_temperature": 0.5}, "temperature"),
+    ({"cfg_scale": 99}, "cfg_scale"),
+    ({"audio_top_k": -5}, "audio_top_k"),
+    ({"seed": -2}, "seed"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"frobnicate": 1}, "frobnicate"),
+]
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=120)
+
+
+@pytest.mark.parametrize("body, field", BAD_SPEECH, ids=[f"speech-{f}-{i}" for i, (_, f) in enumerate(BAD_SPEECH)])
+def test_bad_speech_request(server, body, field):
+    resp = _post(server, "/v1/audio/speech", body)
+    assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:300])
+    assert field in resp.json()["error"]["message"], resp.text[:300]
+
+
+@pytest.mark.parametrize("body, field", BAD_CHAT, ids=[f"chat-{f}-{i}" for i, (_, f) in enumerate(BAD_CHAT)])
+def test_bad_chat_request(server, body, field):
+    resp = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]} | body)
+    assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:300])
+    assert field in resp.json()["error"]["message"], resp.text[:300]
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/chat/completions"])
+def test_bad_json(server, path):
+    for raw in (b"{bad json", b"[1, 2]", b'"just a string"', b"\xff\xfe"):
+        resp = _post(server, path, raw)
+        assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text[:200])
+
+
+# ---- chat completions: text and audio of one request -------------------------------------------
+
+
+def _chat(server, **body):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What time is it?"}]
+    resp = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": messages} | body)
+    assert resp.status_code == 200, resp.text[:500]
+    return resp.json()["choices"][0]
+
+
+def test_chat_text_and_audio(server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300)
+    resp = client.chat.completions.create(
+        model="tiny", modalities=["text", "audio"], audio={"format": "wav", "voice": "default"}, seed=5,
+        max_tokens=90, messages=[{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "What time is it?"}],
+        extra_body={"max_text_tokens": 6},
+    )
+    message = resp.choices[0].message
+    ids = encode_prompt(reference.tokenizer, reference.cfg, "What time is it?", system="Be brief.")
+    ref = reference.generate(ids, SpeechSamplingParams(modality="text+audio", max_text_tokens=6, seed=5, max_tokens=90))
+    assert message.content == ref.text and message.audio.transcript == ref.text
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
+        assert w.getframerate() == 16000
+        _assert_pcm_equal(w.readframes(w.getnframes()), _pcm16(ref.audio))
+
+
+def test_chat_text_only(server, reference):
+    choice = _chat(server, seed=2, max_tokens=20, temperature=0.7)
+    ids = encode_prompt(reference.tokenizer, reference.cfg, "What time is it?", system="Be brief.")
+    ref = reference.generate(ids, SpeechSamplingParams(modality="text", text_temperature=0.7, seed=2, max_tokens=20))
+    assert choice["message"]["content"] == ref.text
+    assert "audio" not in choice["message"]
+
+
+# ---- load, disconnects, leaks -------------------------------------------------------------------
+N_CLIENTS = 32
+N_DISCONNECT = 7  # ~20%
+
+
+async def _stream_one(url: str, i: int, disconnect: bool) -> tuple[int, int]:
+    """(status, bytes received); a disconnecting client leaves after its first chunk. Every
+    second request is guided (a hidden CFG companion must go with it)."""
+    body = {"input": f"Request {i}: say hello.", "seed": i, "response_format": "pcm", "stream_format": "audio",
+            "max_new_tokens": 300 if disconnect else 30, "initial_codec_chunk_frames": 4,
+            "extra_params": {"cfg_scale": 3.0 if i % 2 else 1.0}}
+    received = 0
+    async with httpx.AsyncClient(timeout=600) as http:
+        async with http.stream("POST", url + "/v1/audio/speech", json=body) as resp:
+            async for chunk in resp.aiter_raw():
+                received += len(chunk)
+                if disconnect:
+                    break  # leaving the block closes the connection mid-stream
+    return resp.status_code, received
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert values, f"no metric {name}"
+    return sum(values)
+
+
+def test_concurrent_streams_with_disconnects_leave_nothing(server, client, reference):
+    client.audio.speech.create(**_speech(client, max_new_tokens=20)).content  # warm: connectors set up
+    before = shm_names()
+
+    async def run():
+        disconnect = set(range(0, 5 * N_DISCONNECT, 5))
+        assert len(disconnect) == N_DISCONNECT
+        return await asyncio.gather(*(_stream_one(server.url, i, i in disconnect) for i in range(N_CLIENTS))), disconnect
+
+    t0 = time.monotonic()
+    results, disconnect = asyncio.run(run())
+    assert all(status == 200 and received > 0 for status, received in results), results
+    for i, (_, received) in enumerate(results):
+        if i not in disconnect:
+            assert received % 640 == 0  # whole 20 ms frames of PCM16
+    deadline = time.monotonic() + 60
+    while _metric(server, "vllm_omni:num_requests_running") or _metric(server, "vllm_omni:num_requests_waiting") \
+            or new_shm(before):
+        assert time.monotonic() < deadline, (
+            f"state left: running={_metric(server, 'vllm_omni:num_requests_running')} "
+            f"waiting={_metric(server, 'vllm_omni:num_requests_waiting')} shm={sorted(new_shm(before))}"
+        )
+        time.sleep(0.5)
+    print(f"{N_CLIENTS} streams ({N_DISCONNECT} disconnecting) in {time.monotonic() - t0:.1f} s")
+    # Healthy, and exact: no per-request state of the aborted requests leaked into a new one.
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    _assert_pcm_equal(client.audio.speech.create(**_speech(client)).content,
+                      _reference_pcm(reference, TEXT, modality="audio", seed=3, max_tokens=120))
+
+
+# ---- the Gradio demo in a real headless browser -------------------------------------------------
+# Debian's Chromium (`make browser`) driven by Playwright through `executable_path` (Playwright's
+# own browser download cannot work offline): the page loads, a request streams, audio reaches the
+# page's player and plays, and the time to first audio is shown.
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("no chromium on PATH: run `make browser` (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def demo_url(server, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("demo") / "demo.log", "w")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
+    proc = subprocess.Popen([sys.executable, str(DEMO), "--server", server.url, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"demo exited with {proc.returncode}: see {log.name}"
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "demo did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_demo_streams_audio_in_browser(demo_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=_chromium(),
+            args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required", "--mute-audio"],
+        )
+        try:
+            page = browser.new_page()
+            streamed = []  # the page's audio stream (HLS playlist / segments) as it arrives
+            page.on("response", lambda r: streamed.append(r.url) if "/stream/" in r.url else None)
+            page.goto(demo_url, wait_until="networkidle")
+            assert "Speech LM" in page.content()
+
+            page.locator("#text textarea").fill("Please say something nice about the weather today.")
+            page.locator("#seed input").fill("4")
+            page.locator("#max_tokens input[type=number]").fill("200")
+            page.locator("#max_tokens input[type=number]").press("Enter")
+            page.locator("#speak").click()
+
+            status = page.locator("#status")
+            status.filter(has_text="time to first audio").wait_for(timeout=180_000)
+            status.filter(has_text="s of audio in").wait_for(timeout=180_000)
+            final = status.inner_text()
+            ttfa = re.search(r"time to first audio: (\d+) ms", final)
+            seconds = re.search(r"([\d.]+) s of audio", final)
+            assert ttfa and seconds and float(seconds.group(1)) > 0, final
+
+            # The player got the streamed audio and played it.
+            page.wait_for_function(
+                "() => { const a = document.querySelector('#audio audio');"
+                " return a && a.currentTime > 0; }",
+                timeout=60_000,
+            )
+            assert streamed, "the page fetched no audio stream"
+        finally:
+            browser.close()
+
+
+def test_server_log_has_no_tracebacks(server):
+    """Bad requests and disconnects above were answered, not crashed on (runs last in the module)."""
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, server.log_tail(80)

@@ -1,0 +1,166 @@
+"""The private vLLM / vllm-omni hooks of `vllm_omni_speechlm/compat.py`, against the installed versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from vllm.model_executor.warmup import kernel_warmup
+from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+from vllm.v1.sample.ops import topk_topp_triton
+from vllm.v1.worker.block_table import _COMPUTE_SLOT_MAPPING_KERNEL
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_omni_speechlm import stage_configs
+from vllm_omni_speechlm import compat
+from vllm_omni_speechlm.stage0.runner import CodecStageWorker, SamplerFreeWarmupMixin, SpeechLMARWorker
+
+
+def test_every_named_internal_is_there_as_written_against():
+    assert compat.mismatched_hooks() == []
+
+
+def test_a_changed_private_signature_or_a_removed_attribute_is_reported(monkeypatch):
+    """An upgrade that changes one named internal fails here, naming it."""
+    from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import OmniChunkTransferAdapter
+
+    def _free_request(self, request, delay_free_blocks=False, reason=None):
+        pass
+
+    monkeypatch.setattr(OmniARScheduler, "_free_request", _free_request)
+    monkeypatch.delattr(OmniChunkTransferAdapter, "save_async")
+    freed, saved = compat.mismatched_hooks()
+    assert freed == ("vllm_omni.core.sched.omni_ar_scheduler:OmniARScheduler._free_request(self, request, "
+                     "delay_free_blocks=False, reason=None): written against (self, request, delay_free_blocks=False)")
+    assert saved.startswith(f"{compat._ADAPTER}.save_async(self, *args, **kwargs): written against (self, multimodal_output")
+    gone = compat.Hook("vllm.v1.request:Request", "num_speech_frames", "attribute")
+    moved = compat.Hook("vllm.v1.core.sched.no_such_module:Scheduler", "schedule", "override", "self")
+    problems = compat.mismatched_hooks((gone, moved))
+    assert problems[0] == "vllm.v1.request:Request.num_speech_frames: attribute not found"
+    assert problems[1].startswith("vllm.v1.core.sched.no_such_module:Scheduler: not found")
+
+
+def test_untested_versions_stop_start_up_unless_allowed(monkeypatch):
+    compat.check_versions({"vllm": "0.30.1", "vllm_omni": "0.30.0"})
+    with pytest.raises(RuntimeError, match=r"untested vllm_omni 0\.31\.0 \(supported: 0\.30\.x\)"):
+        compat.check_versions({"vllm": "0.30.0", "vllm_omni": "0.31.0"})
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    compat.check_versions({"vllm": "0.31.0", "vllm_omni": "0.30.0"})
+
+
+def test_stops_after_is_vllms_check_stop():
+    """The restated stop rule against vLLM's own, on requests one token from each limit."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.utils import check_stop
+    from vllm.v1.request import Request
+
+    for token, max_tokens, max_model_len, stop_ids in [(7, 9, 99, ()), (2, 9, 99, ()), (5, 9, 99, (5,)),
+                                                       (7, 3, 99, ()), (7, 9, 6, ())]:
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_ids))
+        params.update_from_generation_config({}, eos_token_id=2)
+        request = Request("r", prompt_token_ids=[1, 1, 1], sampling_params=params, pooling_params=None)
+        request.append_output_token_ids([4, token])
+        expected = check_stop(request, max_model_len)
+        got = compat.stops_after(token, request.num_tokens, request.num_output_tokens, max_tokens, max_model_len, 2, stop_ids)
+        assert got == expected, (token, max_tokens, max_model_len, stop_ids)
+
+
+def _runner_with_registrations() -> SimpleNamespace:
+    """A runner's warm-up list as vLLM builds it: the sampler's kernels (every runner's Sampler
+    registers them) and the slot-mapping kernel (its block table)."""
+    registry = JitWarmupRegistry(vllm_config=None)
+    with registry.activate():
+        topk_topp_triton._topk_topp.register_warmup()
+        topk_topp_triton._topp_split_stats.register_warmup()
+        _COMPUTE_SLOT_MAPPING_KERNEL.register_warmup(
+            kv_cache_block_size=16, blocks_per_kv_block=1, total_cp_world_size=1, total_cp_rank=0,
+            cp_kv_cache_interleave_size=1, block_table_stride=64, block_size=16,
+        )
+    return SimpleNamespace(jit_warmup_registry=registry)
+
+
+def test_sampler_kernels_leave_the_jit_warmup_and_the_rest_stays():
+    runner = _runner_with_registrations()
+    assert len(runner.jit_warmup_registry) == 3
+    assert sorted(compat.drop_sampler_jit_warmup(runner)) == ["_topk_topp", "_topp_split_stats"]
+    assert list(compat.jit_warmup_kernels(runner)) == [_COMPUTE_SLOT_MAPPING_KERNEL]
+    assert compat.drop_sampler_jit_warmup(runner) == []
+
+
+def test_a_runner_without_a_registry_has_nothing_to_drop():
+    assert compat.drop_sampler_jit_warmup(SimpleNamespace()) == []
+
+
+def test_vllm_warms_up_the_runner_registry_the_workers_prune():
+    """What `drop_sampler_jit_warmup` relies on: vLLM's GPU worker warms up through
+    `kernel_warmup`, which compiles `model_runner.jit_warmup_registry`, a dict of kernels."""
+    assert "kernel_warmup(self)" in inspect.getsource(Worker.compile_or_warm_up_model)
+    source = inspect.getsource(kernel_warmup.kernel_warmup)
+    assert "worker.model_runner.jit_warmup_registry" in source and "registry.warmup()" in source
+    assert isinstance(JitWarmupRegistry(vllm_config=None)._registrations, dict)
+    for worker in (SpeechLMARWorker, CodecStageWorker):
+        assert worker.compile_or_warm_up_model is SamplerFreeWarmupMixin.compile_or_warm_up_model
+        assert worker.__mro__.index(SamplerFreeWarmupMixin) < worker.__mro__.index(Worker)
+
+
+def test_gpu_yamls_pick_the_pruning_workers_and_cpu_keeps_its_own():
+    for name in ("bagpiper_streaming.yaml", "bagpiper_batch.yaml", "opuslm_streaming.yaml"):
+        with open(stage_configs.path(name)) as f:
+            deploy = yaml.safe_load(f)
+        gpu = {s["stage_id"]: s["worker_cls"] for s in deploy["stages"]}
+        cpu = {s["stage_id"]: s["worker_cls"] for s in deploy["platforms"]["cpu"]["stages"]}
+        assert gpu == {0: "vllm_omni_speechlm.stage0.runner.SpeechLMARWorker", 1: "vllm_omni_speechlm.stage0.runner.CodecStageWorker"}
+        assert cpu == {0: "vllm_omni_speechlm.platforms.cpu_worker.CPUSpeechLMARWorker",
+                       1: "vllm_omni_speechlm.platforms.cpu_worker.CPUGenerationWorker"}, name
+
+
+# ---- parallel_stage_init from the deploy YAML ------------------------------------------------
+
+
+def _deploy(tmp_path, **top) -> str:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"pipeline": "bagpiper_two_stage", **top}))
+    return str(path)
+
+
+def test_the_deploy_yaml_sets_parallel_stage_init_where_the_caller_did_not(tmp_path):
+    on = _deploy(tmp_path, parallel_stage_init=True)
+    assert compat.with_deploy_parallel_stage_init({"deploy_config": on}, on_cpu=False)["parallel_stage_init"] is True
+    caller = {"deploy_config": on, "parallel_stage_init": False}
+    assert compat.with_deploy_parallel_stage_init(caller, on_cpu=False) == caller
+    assert "parallel_stage_init" not in compat.with_deploy_parallel_stage_init({"deploy_config": on}, on_cpu=True)
+    unset = {"deploy_config": _deploy(tmp_path)}
+    assert compat.with_deploy_parallel_stage_init(unset, on_cpu=False) == unset
+    assert compat.with_deploy_parallel_stage_init({}, on_cpu=False) == {}
+
+
+def test_a_bad_parallel_stage_init_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="parallel_stage_init: expected true or false, got 'yes please'"):
+        compat.deploy_parallel_stage_init(_deploy(tmp_path, parallel_stage_init="yes please"))
+
+
+def test_vllm_omni_engine_reads_the_keyword_the_hook_passes():
+    """What `pass_parallel_stage_init_from_deploy` relies on: vllm-omni's engine takes the option
+    as a keyword (its CLI has no flag), and its deploy loader has no field of that name."""
+    from vllm_omni.config.stage_config import DeployConfig
+    from vllm_omni.engine.omni_engine_base import OmniEngineBase
+
+    compat.pass_parallel_stage_init_from_deploy()
+    compat.pass_parallel_stage_init_from_deploy()  # idempotent: one wrapper
+    init = OmniEngineBase.__init__
+    assert init._reads_deploy_parallel_stage_init and not hasattr(init.__wrapped__, "__wrapped__")
+    assert 'kwargs.get("parallel_stage_init")' in inspect.getsource(init.__wrapped__)
+    assert "parallel_stage_init" not in {f.name for f in dataclasses.fields(DeployConfig)}
+
+
+def test_a_deploy_plan_rejects_a_bad_parallel_stage_init(tmp_path):
+    from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.deploy_checks import DeployPlan
+
+    plugin.register()
+    with pytest.raises(ValueError, match="parallel_stage_init: expected true or false, got 1"):
+        DeployPlan.from_yaml(_deploy(tmp_path, parallel_stage_init=1))

@@ -1,0 +1,123 @@
+"""OpusLM's decoding rules as data (`DecodingSpec`): layout, delay warm-up, minimum audio length,
+the drain with its deferred eos, and the audio rows that de-interleave to exactly T frames."""
+
+import pytest
+import torch
+
+from vllm_omni_speechlm.config import DecodingSpec, SpeechLMConfig, opuslm_layout
+from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling
+from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows, interleave
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+CFG = opuslm_layout("opuslm", text_vocab_size=300, min_audio_frames=12)
+SP, DEC, S = CFG.specials, CFG.decoding, CFG.num_streams
+RULES = DecodingRules(CFG)
+P, M, K = Phase, OutputMode, RowKind
+
+
+def test_released_layouts():
+    big, dialogue = opuslm_layout("opuslm"), opuslm_layout("opuslm-dialogue")
+    assert (big.vocab_size, dialogue.vocab_size) == (113870, 62670)
+    assert big.text_range == (13448, 113800) and dialogue.text_range == (13448, 62600)
+    ssl, dac = big.streams[0], big.streams[1:]
+    assert (ssl.vocab_start, ssl.codebook_size, ssl.pad_id) == (256, 5000, 0)
+    assert [(s.vocab_start, s.codebook_size, s.pad_id) for s in dac] == [(5256 + 1024 * i, 1024, 0) for i in range(8)]
+    assert (SP.eos, SP.audio, SP.text) == (5, 34, 35)
+    assert big.primary_stream_embedding and big.codec.type == "dac" and big.decoding.min_audio_frames == 50
+    assert SpeechLMConfig.from_dict(big.to_dict()) == big
+
+
+@pytest.mark.parametrize(
+    "decoding, field",
+    [
+        (dict(deferred_eos=5), "decoding.deferred_eos"),  # a named special (eos itself)
+        (dict(deferred_eos=None), "decoding.deferred_eos"),
+        (dict(min_audio_frames=7), "decoding.min_audio_frames"),  # < S-1: drain rows unrecognisable
+        (dict(min_audio_frames=-1), "decoding.min_audio_frames"),
+    ],
+)
+def test_bad_decoding_spec_names_the_field(decoding, field):
+    d = CFG.to_dict()
+    d["decoding"] |= decoding
+    with pytest.raises(ValueError, match=field):
+        SpeechLMConfig.from_dict(d)
+
+
+def _rows(n: int) -> RowSampling:
+    return RowSampling.from_values([SpeechSamplingParams().resolve(CFG).row_values()] * n, "cpu")
+
+
+def test_auto_mode_follows_the_phase_not_the_argmax():
+    raw = torch.zeros(2, CFG.vocab_size)
+    raw[:, CFG.text_range[0]] = 10.0  # a text argmax on an audio row must not make it a text row
+    kinds = RULES.row_kinds(
+        torch.tensor([P.AUDIO, P.TEXT]), torch.tensor([M.AUTO, M.AUTO]), raw, torch.zeros(2, dtype=torch.long),
+        _rows(2), torch.tensor([20, 3]),
+    )
+    assert kinds.tolist() == [K.AUDIO, K.TEXT]
+
+
+def test_min_length_masks_eos_on_early_audio_rows():
+    step = torch.tensor([0, DEC.min_audio_frames - 1, DEC.min_audio_frames])
+    kinds = RULES.row_kinds(
+        torch.full((3,), int(P.AUDIO)), torch.full((3,), int(M.AUDIO)), torch.zeros(3, CFG.vocab_size),
+        torch.zeros(3, dtype=torch.long), _rows(3), step,
+    )
+    assert kinds.tolist() == [K.AUDIO_NO_EOS, K.AUDIO_NO_EOS, K.AUDIO]
+    eos_bias = RULES.mask_bias[kinds, SP.eos]
+    assert eos_bias.tolist() == [float("-inf"), float("-inf"), 0.0]
+    ssl = CFG.streams[0]
+    assert bool((RULES.mask_bias[K.AUDIO_NO_EOS, ssl.vocab_start : ssl.vocab_end] == 0).all())
+
+
+def test_warm_up_and_drain_keep_exactly_the_delay_pattern_frames():
+    """Walk a clip of T frames through the phase machine and the aux rule: the kept aux positions
+    are exactly those of the delay pattern (stream s carries frame t at audio step t + s)."""
+    T = 15
+    phase, step = torch.tensor([int(P.AUDIO)]), torch.tensor([0])
+    kept, stream0 = [], []
+    for a in range(T + S + 1):
+        kind = RULES.row_kinds(phase, torch.tensor([int(M.AUDIO)]), torch.zeros(1, CFG.vocab_size),
+                               torch.tensor([a]), _rows(1), step)
+        kept.append(RULES.aux_sampled(kind, step)[0])
+        sampled = CFG.streams[0].vocab_start + 7 if a < T else SP.eos  # stream 0 samples eos at step T
+        allowed = RULES.mask_bias[kind[0]] == 0
+        token = sampled if bool(allowed[sampled]) else int(allowed.nonzero()[0])  # forced rows
+        token = RULES.emitted_token(phase, torch.tensor([token]))
+        stream0.append(int(token))
+        phase, step = RULES.step(phase, step, token)
+    assert stream0 == [CFG.streams[0].vocab_start + 7] * T + [DEC.deferred_eos] + [SP.pad] * (S - 1) + [SP.eos]
+    assert int(phase) == P.DONE
+    expected = torch.zeros(T + S + 1, S - 1, dtype=torch.bool)
+    for s in range(1, S):
+        expected[s : s + T, s - 1] = True
+    assert torch.equal(torch.stack(kept), expected)
+
+
+def test_audio_rows_of_a_drained_answer_deinterleave_to_t_frames():
+    T = 13
+    codes = torch.randint(0, 1024, (T, S))
+    codes[:, 0] = torch.randint(0, 5000, (T,))
+    offsets = torch.tensor([s.code_offset for s in CFG.streams])
+    rows = interleave(codes + offsets, pad=SP.pad)  # [T + S - 1, S]
+    rows[T, 0], rows[T + 1 :, 0] = DEC.deferred_eos, SP.pad
+    text = torch.zeros(3, S, dtype=torch.long)
+    text[:, 0] = torch.tensor([SP.audio, CFG.text_range[0], SP.text])
+    tail = torch.zeros(2, S, dtype=torch.long)
+    tail[1, 0] = SP.eos  # the all-pad last drain row, then the final eos
+    tokens = torch.cat([text, rows, tail])
+    assert audio_rows(tokens, CFG).tolist() == [False] * 3 + [True] * (T + S - 1) + [False] * 2
+    assert torch.equal(audio_codes(tokens, CFG), codes[:, 1:])
+
+
+def test_bagpiper_keeps_its_behaviour():
+    """The Bagpiper defaults of DecodingSpec change nothing: no warm-up, min length or drain."""
+    from vllm_omni_speechlm.config import bagpiper_layout
+
+    cfg = bagpiper_layout(text_vocab_size=300)
+    assert cfg.decoding == DecodingSpec()
+    rules = DecodingRules(cfg)
+    kind = torch.tensor([K.AUDIO])
+    assert bool(rules.aux_sampled(kind, torch.tensor([0])).all())
+    assert int(rules.emitted_token(torch.tensor([P.AUDIO]), torch.tensor([cfg.specials.eos]))) == cfg.specials.eos
+    assert rules.replay([cfg.specials.audio, cfg.codec_start + 1, cfg.specials.eos]) == P.DONE

@@ -1,0 +1,65 @@
+"""Stage 0's step output: the frames of all S streams, from the model to the client.
+
+Each sampled position gives one frame: a [S] row of unified token ids (stream 0 and the auxiliary
+streams; pad 0 on non-audio rows). On its way out of stage 0 a step's frames are:
+
+    model      `FrameRows`: the step's [N, S] host buffer (row i: request i's frame) under
+               `codes.audio` of `make_omni_output`, or per-row [1, S] views when the runner
+               asks for vllm-omni's generic payloads (`FRAME_ROWS_KWARG` false)
+    runner     `StepOutputs`: the buffer whole, with each row's other payloads (stage0/runner.py)
+    scheduler  per request, [k, S] blocks of frames under `CODES_KEY` (stage0/client_frames.py)
+    client     vllm-omni concatenates them into [L, S] under `codes.audio`
+
+With async_chunk streaming the chunk adapter gets the same rows, as `{"codes": {"audio": [k, S]}}`
+(stage0/window_gate.py, stage_input_processors/speech_codec.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CODES_KEY = "codes.audio"  # the client's key of the frames (vllm-omni flattens nested keys)
+# make_omni_output keyword: the runner takes the step's frames as one `FrameRows` (stage0/runner.py)
+FRAME_ROWS_KWARG = "frame_rows"
+
+
+@dataclass(frozen=True)
+class FrameRows:
+    """This step's frames: the [N, S] host buffer (row i: request i's frame, if `samples[i]`).
+    One object, not per-row tensors: vllm-omni's generic payload code would copy every row twice
+    per step, and stage 0's runner hands the whole buffer to the scheduler."""
+
+    host: torch.Tensor
+    samples: list[bool]
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row i as a [1, S] view ([0, S] when it does not sample)."""
+        return self.host[i : i + 1 if self.samples[i] else i]
+
+
+class StepOutputs(Sequence):
+    """A runner output's client multimodal outputs: per row, the payload of outputs other than
+    the frames (None: none), which vllm-omni's scheduler attaches to the row's request output;
+    and the step's frames whole, for the scheduler's client frame blocks."""
+
+    def __init__(self, frames: FrameRows, rows: list[dict | None] | None):
+        self.frames, self._rows = frames, rows
+
+    def __len__(self) -> int:
+        return len(self.frames.samples)
+
+    def __getitem__(self, row: int) -> dict | None:
+        return None if self._rows is None else self._rows[row]
+
+
+def frame_rows(payload: Any, num_streams: int) -> torch.Tensor | None:
+    """A payload's [k, S] frames (`{"codes": {"audio": tensor}}`), or None when it carries none."""
+    codes = payload.get("codes", {}) if isinstance(payload, dict) else {}
+    step = codes.get("audio") if isinstance(codes, dict) else None
+    if not isinstance(step, torch.Tensor) or step.numel() == 0:
+        return None
+    return step.reshape(-1, num_streams).to(torch.long)

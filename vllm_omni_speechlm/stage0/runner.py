@@ -1,0 +1,150 @@
+"""Stage 0's model runner: vllm-omni's AR runner with its per-request Python loops batched.
+
+At a few hundred requests the speech LM stage is bound by host work per step, and vllm-omni's
+AR runner does some of it once per request per step for every model:
+
+* `_build_model_kwargs_extra` gathers each request's additional information, indexes a CPU
+  tensor per request for token spans, and builds the sample-eligibility list request by request;
+* the output builder copies each request's `codes.audio` row to the CPU (a no-op copy: it is
+  already there), clones it, and builds, flattens, filters and checks its payload dict twice.
+
+The speech LM reads a request's information only when it admits the request, ignores token spans
+(it has its own rows), and hands the runner a fresh [N, S] host buffer of the step's frames that
+nothing else writes (`FrameRows`). So this runner passes the information as a lazy per-row view,
+takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled < tokens), and
+hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
+in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
+connector accumulating full payloads, no prefix cache), vllm-omni's per-request builder is
+skipped; otherwise it puts each request's frame view in its payload as it is. Deploy YAMLs
+select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
+`platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
+loops of an async-scheduled step (`runner_loops.py`).
+
+Both stages' GPU workers leave vLLM's sampler kernels out of the JIT warm-up
+(`SamplerFreeWarmupMixin`): compiling them took minutes per stage, for kernels neither stage
+launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm_omni.data_entry_keys import flatten_payload
+from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
+from vllm_omni.worker.gpu_ar_worker import GPUARWorker
+from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
+
+from vllm_omni_speechlm.compat import drop_sampler_jit_warmup
+from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
+from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
+
+logger = init_logger(__name__)
+
+
+class RowInfo:
+    """Each row's additional information, looked up only when read (`[row]`, `len`): the
+    sequence vllm-omni builds eagerly, request by request, every step."""
+
+    __slots__ = ("_req_ids", "_info")
+
+    def __init__(self, req_ids: list[str], info: Mapping[str, dict]):
+        self._req_ids, self._info = req_ids, info
+
+    def __len__(self) -> int:
+        return len(self._req_ids)
+
+    def __getitem__(self, row: int) -> dict:
+        return self._info.get(self._req_ids[row], {})
+
+
+class SpeechLMRunnerMixin:
+    """Batched replacements of vllm-omni AR runner steps (see the module docstring)."""
+
+    def _build_model_kwargs_extra(self) -> dict:
+        self._sync_local_stage_payloads()
+        num_reqs = self.input_batch.num_reqs
+        info = RowInfo(self.input_batch.req_ids, self.model_intermediate_buffer)
+        extra: dict[str, Any] = {"model_intermediate_buffer": info, "runtime_additional_information": info}
+        # vLLM set the mask for this step in _prepare_inputs: rows whose prompt is not all in yet.
+        extra["request_sample_eligible"] = ~self.discard_request_mask.np[:num_reqs]
+        # With prefix caching, payloads come from vllm-omni's merged cache path instead.
+        extra[FRAME_ROWS_KWARG] = self.omni_prefix_cache is None
+        return extra
+
+    def _client_only_payloads(self) -> bool:
+        """The step's payloads go to the client only: no async chunks (inter-stage payloads),
+        no connector accumulating full payloads, no prefix cache (merged payloads)."""
+        return not self._async_chunk and self.omni_prefix_cache is None and not self._should_accumulate_full_payload_output()
+
+    def _resolve_pooler_payload_req_ids(self, req_ids_output_copy: list[str]) -> tuple[str, list[str]]:
+        if not self._client_only_payloads():
+            return super()._resolve_pooler_payload_req_ids(req_ids_output_copy)
+        # vllm-omni's per-request builder gets no requests: the override below builds the payloads.
+        return (self.vllm_config.model_config.engine_output_type or "").lower(), []
+
+    def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
+        output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
+        flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
+        frames = flat.get(CODES_KEY)
+        if not isinstance(frames, FrameRows):  # prefix cache: per-row views, vllm-omni's way
+            return output
+        if len(frames.samples) != len(output.req_ids):
+            raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
+        if self._client_only_payloads():
+            rest = _without_frames(flat)
+            output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
+        elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
+            output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) or None for p in output.multimodal_outputs])
+        return output  # else the client gets no per-step payloads (a connector accumulates them)
+
+    def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
+        """vllm-omni's per-request builder (async chunks, connectors): the row's frame view as it
+        is, any other output (the fused model's clips) the usual way."""
+        rows = mm_cpu.get(CODES_KEY) if mm_cpu else None
+        if not isinstance(rows, FrameRows):
+            return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
+        rest = _without_frames(mm_cpu)
+        payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs) if rest else {}
+        return payload | {CODES_KEY: rows.row(idx)}
+
+
+def _row_payloads(outputs: dict[str, Any], num_rows: int) -> list[dict[str, Any]]:
+    """{key: one value per row} -> one payload dict per row."""
+    for key, values in outputs.items():
+        if not isinstance(values, (list, tuple)) or len(values) != num_rows:
+            raise TypeError(f"speech LM runner: multimodal output {key!r} must hold one tensor per row ({num_rows})")
+    return [dict(zip(outputs, row)) for row in zip(*outputs.values())]
+
+
+def _without_frames(payload: dict | None) -> dict:
+    return {k: v for k, v in (payload or {}).items() if k != CODES_KEY}
+
+
+class SpeechLMARModelRunner(SpeechLMRunnerMixin, BatchedRunnerLoopsMixin, GPUARModelRunner):
+    """vllm-omni's GPU AR runner with the batched speech LM steps and vLLM's async-step loops
+    batched (runner_loops.py)."""
+
+
+class SamplerFreeWarmupMixin:
+    """A GPU worker whose stage never runs vLLM's top-k / top-p sampling kernels: stage 0 gives
+    vLLM's sampler temperature only (the model applies its own per-modality top-k), the codec
+    stage samples nothing. vLLM's JIT warm-up compiles the rest of its list (slot mapping,
+    attention), so the first request still compiles nothing."""
+
+    def compile_or_warm_up_model(self) -> Any:
+        dropped = drop_sampler_jit_warmup(self.model_runner)
+        if dropped:
+            logger.info("JIT kernel warm-up without vLLM's sampler kernels (%s)", ", ".join(dropped))
+        return super().compile_or_warm_up_model()
+
+
+class SpeechLMARWorker(SamplerFreeWarmupMixin, GPUARWorker):
+    """vllm-omni's GPU AR worker running `SpeechLMARModelRunner`."""
+
+    model_runner_cls = SpeechLMARModelRunner
+
+
+class CodecStageWorker(SamplerFreeWarmupMixin, GPUGenerationWorker):
+    """vllm-omni's GPU generation worker for the codec stage (deploy YAMLs: stage 1 `worker_cls`)."""

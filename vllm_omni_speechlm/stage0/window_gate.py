@@ -1,0 +1,93 @@
+"""Stage 0 hands the async_chunk adapter only the steps that complete a codec window.
+
+vllm-omni's chunk adapter copies the request and wakes its save thread on every `save_async`
+call, ~0.1 ms per request per step, though a window is due only every 25 frames. The scheduler
+(stage0/scheduler.py) puts a `WindowGate` in front of it: the gate keeps each request's step rows
+and hands them over as one [k, S] payload on the steps where the processor sends a window (the
+same rule, `streaming.next_window_end`), and at finish. The processor
+(stage_input_processors/speech_codec.py) receives the same rows in the same order, so the windows
+are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm_omni.data_entry_keys import unflatten_payload
+from vllm_omni.engine.serialization import deserialize_additional_information
+
+from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
+from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.streaming import first_window, next_window_end
+
+
+@dataclass
+class _GateState:
+    first_chunk: int
+    emitted: int = 0  # frames sent as new audio (mirrors the processor's count)
+    audio: int = 0  # audio rows among those handed over or classified
+    pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
+    unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
+
+
+class WindowGate:
+    """Per request, the step rows not handed to the adapter yet (module docstring)."""
+
+    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int]) -> None:
+        self.cfg, self.settings = cfg, settings
+        self._open: dict[str, _GateState] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
+        """(hand over now, the payload to hand over) for this step of `request`."""
+        ext_id = request.external_req_id
+        state = self._open.get(ext_id)
+        if state is None:
+            state = self._open[ext_id] = _GateState(self._first_window(request))
+        if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
+            multimodal_output = unflatten_payload(multimodal_output)
+        rows = frame_rows(multimodal_output, self.cfg.num_streams)
+        if rows is not None:
+            state.pending.append(rows)
+            state.unclassified += rows.shape[0]
+        if is_finished:
+            del self._open[ext_id]
+            return True, self._take(state)
+        if not self._due(state, state.audio + state.unclassified):  # even if every new row is audio
+            return False, None
+        if state.unclassified:
+            new = torch.cat(state.pending)[-state.unclassified :]
+            state.audio += int(audio_rows(new, self.cfg).sum())
+            state.unclassified = 0
+        end = self._due(state, state.audio)
+        if end is None:
+            return False, None
+        state.emitted = end
+        return True, self._take(state)
+
+    def _first_window(self, request: Any) -> int:
+        info = deserialize_additional_information(getattr(request, "additional_information", None))
+        try:
+            return first_window(info, self.settings)
+        except ValueError:  # the processor reports the bad value; any size does here
+            return 1
+
+    def _due(self, state: _GateState, num_audio_rows: int) -> int | None:
+        total = num_complete_frames(num_audio_rows, self.cfg.num_streams)
+        return next_window_end(total, state.emitted, state.first_chunk, self.settings, False)
+
+    @staticmethod
+    def _take(state: _GateState) -> dict | None:
+        rows, state.pending, state.unclassified = state.pending, [], 0
+        return {"codes": {"audio": torch.cat(rows)}} if rows else None
+
+    def forget(self, ext_ids) -> None:
+        """Drop requests that ended without a finishing call (abort, error)."""
+        for ext_id in ext_ids:
+            self._open.pop(ext_id, None)
