@@ -140,7 +140,7 @@ HOOKS = (
          "self, model, stage_init_timeout=300, init_timeout=600, single_stage_mode=False, transfer_emitter=None, "
          "prom_metrics=None, log_stats=False, tokenizer=None, trust_remote_code=None, client_config=None, **kwargs"),
     # API server (serving/)
-    Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced route: dispatch_chat_route
+    Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced routes: dispatch_route
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_supported_speakers", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_codec_frame_rate", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "validate", "override", "self, request"),
@@ -219,7 +219,7 @@ def stops_after(token: Any, num_tokens: Any, num_output_tokens: Any, max_tokens:
     return stop | (num_tokens >= max_model_len) | (num_output_tokens >= max_tokens)
 
 
-# ---- run-time changes: the chunk adapter, the CPU worker, the chat route -----------------------
+# ---- run-time changes: the chunk adapter, the CPU worker, the API routes -------------------------
 
 
 def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool, Any]]) -> None:
@@ -260,42 +260,38 @@ def torch_cuda_wrapper() -> contextlib.AbstractContextManager:
     return _torch_cuda_wrapper()
 
 
-CHAT_ROUTE = "/v1/chat/completions"
+def dispatch_route(path: str, serves: Callable[[Any], bool], handler: Callable[[Any, Any, Any], Any]) -> None:
+    """Put a dispatcher in place of vllm-omni's POST `path` route (before its app is built):
+    requests to an engine client for which `serves(engine_client)` go to `handler(request,
+    raw_request, stock)`, every other one to vllm-omni's own handler `stock` (undecorated, under
+    the same request parsing and decorators). vllm-omni has no hook for a model's own handling of
+    a route. Idempotent."""
+    import typing
 
-
-def dispatch_chat_route(serves: Callable[[Any], bool], handler: Callable[[Any, Any], Any]) -> None:
-    """Put a dispatcher in place of vllm-omni's chat route (before its app is built): requests to
-    an engine client for which `serves(engine_client)` go to `handler(request, raw_request)`,
-    every other one to vllm-omni's own handler (undecorated, under the same request parsing and
-    decorators). vllm-omni has no hook for a model's own chat handling. Idempotent."""
-    from fastapi import Request
     from fastapi.routing import APIRoute
     from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
     from vllm_omni.entrypoints.openai import api_server
 
     routes = api_server.router.routes
-    index = next(
-        (i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == CHAT_ROUTE and "POST" in r.methods), None
-    )
+    index = next((i for i, r in enumerate(routes) if isinstance(r, APIRoute) and r.path == path and "POST" in r.methods), None)
     if index is None or getattr(routes[index].endpoint, "_speechlm_dispatch", False):
         return  # already replaced (the plugin runs more than once), or nothing to replace
     stock = routes[index]
     stock_handler = inspect.unwrap(stock.endpoint)
 
-    async def create_chat_completion(request, raw_request):
+    async def dispatch(request, raw_request):
         if serves(raw_request.app.state.engine_client):
-            return await handler(request, raw_request)
+            return await handler(request, raw_request, stock_handler)
         return await stock_handler(request, raw_request)
 
-    # FastAPI reads the body and the raw request from these (real classes: this module's
-    # annotations are strings, which FastAPI could not resolve here).
-    create_chat_completion.__annotations__ = {"request": api_server.ChatCompletionRequest, "raw_request": Request}
-    endpoint = with_cancellation(load_aware_call(create_chat_completion))
+    # FastAPI reads the body and the raw request from the stock handler's own annotations.
+    hints = typing.get_type_hints(stock_handler)
+    names = list(inspect.signature(stock_handler).parameters)
+    dispatch.__annotations__ = {"request": hints[names[0]], "raw_request": hints[names[1]]}
+    endpoint = with_cancellation(load_aware_call(dispatch))
     endpoint._speechlm_dispatch = True  # type: ignore[attr-defined]
     del routes[index]
-    api_server.router.add_api_route(
-        CHAT_ROUTE, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses
-    )
+    api_server.router.add_api_route(path, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses)
 
 
 # ---- JIT warm-up ----------------------------------------------------------------------------

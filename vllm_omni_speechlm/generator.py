@@ -8,7 +8,9 @@ codec stage, and `generate_stream` yields it window by window as it is decoded.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +51,24 @@ def _waveform(output: Any) -> torch.Tensor | None:
     return audio.reshape(-1).float().cpu()
 
 
+@contextlib.contextmanager
+def _spawnable_main() -> Iterator[None]:
+    """vLLM starts its engine processes with spawn, which re-runs the parent's `__main__` from its
+    file. A script read from stdin (`python - < script.py`) has a `__file__`, '<stdin>', that is
+    no file, and every engine process would fail on it. While the engine starts, such a `__file__`
+    is hidden: the children then skip `__main__`, as they do for a notebook or `python -c`."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 class SpeechLMGenerator:
     """Batch generation of text and/or audio answers.
 
@@ -73,7 +93,8 @@ class SpeechLMGenerator:
         deploy = deploy_config or stage_configs.path(stage_configs.LM_ONLY[self.cfg.family])
         # What the stages return, and a clear error for a YAML that cannot work, before any engine.
         self.plan = DeployPlan.from_yaml(deploy, async_chunk=engine_kwargs.get("async_chunk"))
-        self.omni = Omni(model=self.model_dir, deploy_config=deploy, **engine_kwargs)
+        with _spawnable_main():
+            self.omni = Omni(model=self.model_dir, deploy_config=deploy, **engine_kwargs)
 
     def close(self) -> None:
         self.omni.close()

@@ -137,9 +137,40 @@ def test_model_options_reach_the_model(client, reference):
     want = _reference_pcm(reference, TEXT, modality="text+audio", max_text_tokens=4, audio_temperature=1.3,
                           audio_top_k=5, text_temperature=0.2, seed=11, max_tokens=90)
     _assert_pcm_equal(got, want)
-    # A guided request streams through both stages and equals the reference's CFG decoding.
+    # A guided request streams through both stages and equals the reference's CFG decoding; the
+    # options may stand at the top level too (vLLM's place for sampling extensions).
     got = client.audio.speech.create(**_speech(client, seed=5, max_new_tokens=60, extra_params={"cfg_scale": 3.0})).content
     _assert_pcm_equal(got, _reference_pcm(reference, TEXT, modality="audio", cfg_scale=3.0, seed=5, max_tokens=60))
+    assert client.audio.speech.create(**_speech(client, seed=5, max_new_tokens=60, cfg_scale=3.0)).content == got
+
+
+@pytest.mark.parametrize("rate", [8000, 24000])
+def test_output_sample_rate(client, rate):
+    """`sample_rate` resamples the 16 kHz codec output, streamed or not: WAV header and length
+    follow. vllm-omni resamples a whole response with torchaudio and a stream with its own
+    chunk-invariant polyphase filter, so each is checked against its resampler."""
+    import torch
+    import torchaudio
+    from vllm_omni.utils.audio_resample import StreamingAudioResampler
+
+    kw = _speech(client, sample_rate=rate)
+    base = np.frombuffer(client.audio.speech.create(**_speech(client)).content, dtype=np.int16) / 32768.0
+    wav = client.audio.speech.create(**(kw | {"response_format": "wav"})).content
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (rate, 1, 2)
+        whole = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+    with client.audio.speech.with_streaming_response.create(**kw, stream_format="audio") as resp:
+        streamed = np.frombuffer(b"".join(resp.iter_bytes()), dtype=np.int16)
+    assert whole.size == streamed.size == base.size * rate // 16000
+    want_whole = torchaudio.functional.resample(torch.from_numpy(base).float(), 16000, rate).numpy()
+    want_streamed = StreamingAudioResampler(16000, rate).process(base.astype(np.float32), final=True)
+    # Compared away from samples the 16 kHz PCM16 clipped (the server resamples the unclipped audio).
+    clipped = np.convolve(np.abs(base) >= 32767 / 32768, np.ones(129), mode="same") > 0
+    keep = ~clipped[np.arange(whole.size) * 16000 // rate]
+    assert keep.mean() > 0.5
+    for got, want in ((whole, want_whole), (streamed, want_streamed)):
+        want = np.clip(want, -1.0, 32767 / 32768)  # the resampled audio clips in PCM16 too
+        assert np.abs(got / 32768.0 - want)[keep].max() < 4 / 32768  # PCM16 rounding, before and after
 
 
 def test_instructions_are_the_system_turn(client, reference):
@@ -178,7 +209,15 @@ BAD_SPEECH = [
     ({"input": "Hi", "initial_codec_chunk_frames": 10**4}, "initial_codec_chunk_frames"),
     ({"input": "Hi", "voice": "alloy"}, "voice"),
     ({"input": "Hi", "speed": 1.5}, "speed"),
-    ({"input": "Hi", "sample_rate": 24000}, "sample_rate"),
+    ({"input": "Hi", "sample_rate": 12345}, "sample_rate"),
+    # the model's options at the top level are validated as in extra_params; other unknown fields fail
+    ({"input": "Hi", "cfg_scale": 0.5}, "cfg_scale"),
+    ({"input": "Hi", "cfg_scale": "nan"}, "cfg_scale"),
+    ({"input": "Hi", "cfg_scale": "strong"}, "cfg_scale"),
+    ({"input": "Hi", "cfg_scale": 3, "extra_params": {"cfg_scale": 3}}, "cfg_scale"),
+    ({"input": "Hi", "modality": "text"}, "modality"),
+    ({"input": "Hi", "max_tokens": -5}, "max_tokens"),
+    ({"input": "Hi", "temperature": -1}, "temperature"),
     ({"input": "Hi", "ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio"),
     ({"input": "Hi", "language": "French"}, "language"),
 ]
@@ -198,6 +237,10 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 0.5, "text_temperature": 0.5}, "temperature"),
+    ({"cfg_scale": 2, "extra_params": {"cfg_scale": 2}}, "cfg_scale"),
+    ({"extra_params": {"bogus": 1}}, "bogus"),
+    ({"extra_params": 5}, "extra_params"),
+    ({"extra_params": {"cfg_scale": 0.5}}, "cfg_scale"),
     ({"cfg_scale": 99}, "cfg_scale"),
     ({"audio_top_k": -5}, "audio_top_k"),
     ({"seed": -2}, "seed"),
@@ -267,6 +310,10 @@ def test_chat_text_only(server, reference):
     ref = reference.generate(ids, SpeechSamplingParams(modality="text", text_temperature=0.7, seed=2, max_tokens=20))
     assert choice["message"]["content"] == ref.text
     assert "audio" not in choice["message"]
+    # The model's options at the top level or in extra_params: the same request.
+    top = _chat(server, seed=2, max_tokens=20, text_temperature=0.7)
+    nested = _chat(server, seed=2, max_tokens=20, extra_params={"text_temperature": 0.7})
+    assert top["message"]["content"] == nested["message"]["content"] == ref.text
 
 
 # ---- load, disconnects, leaks -------------------------------------------------------------------

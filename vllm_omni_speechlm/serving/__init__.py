@@ -23,5 +23,5 @@ def register() -> None:
         return
     from vllm_omni_speechlm.serving import chat, speech
 
-    speech.register_adapter()
+    speech.register()
     chat.register_route()

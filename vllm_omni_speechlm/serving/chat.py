@@ -22,23 +22,24 @@ import base64
 import dataclasses
 import time
 import uuid
-from http import HTTPStatus
 from typing import Any
 
 import torch
 
 from vllm_omni_speechlm.audio import to_wav
-from vllm_omni_speechlm.compat import dispatch_chat_route
+from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.pipeline import CODEC_STAGE
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
+ROUTE = "/v1/chat/completions"
+
 MODALITIES = {("text",): "text", ("audio", "text"): "text+audio", ("audio",): "audio"}
 # Request fields this route reads; any other field a client sets is an error.
 ACCEPTED_FIELDS = {"messages", "model", "modalities", "audio", "temperature", "top_k", "max_tokens",
-                   "max_completion_tokens", "seed", "stream", "n", "user", *options.MODEL_OPTIONS}
+                   "max_completion_tokens", "seed", "stream", "n", "user", "extra_params", *options.MODEL_OPTIONS}
 
 
 class BadRequest(ValueError):
@@ -107,8 +108,9 @@ def _check_fields(request: Any) -> None:
 
 
 def _model_options(request: Any) -> dict[str, Any]:
-    opts = options.model_options({k: v for k, v in (request.model_extra or {}).items() if k in options.MODEL_OPTIONS},
-                                 "request")
+    extra = request.model_extra or {}
+    top = {k: v for k, v in extra.items() if k in options.MODEL_OPTIONS}
+    opts = options.model_options(options.placed_options(top, extra.get("extra_params")), "extra_params")
     for openai_name, name in (("temperature", "text_temperature"), ("top_k", "text_top_k")):
         value = getattr(request, openai_name, None)
         if value is None:
@@ -193,15 +195,7 @@ def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int
     }
 
 
-def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> Any:
-    from fastapi.responses import JSONResponse
-
-    param = message.split(":", 1)[0] if ":" in message else None
-    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status.value}}
-    return JSONResponse(content=body, status_code=status.value)
-
-
-async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any:
+async def create_speechlm_chat_completion(request: Any, raw_request: Any, stock: Any = None) -> Any:
     from fastapi.responses import JSONResponse
 
     engine_client = raw_request.app.state.engine_client
@@ -211,7 +205,7 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any
         if modality != "text" and CODEC_STAGE not in stage_names(engine_client):
             raise BadRequest("modalities: audio needs a deployment with the codec stage (e.g. bagpiper_streaming.yaml)")
     except ValueError as e:
-        return _error(str(e))
+        return options.bad_request(str(e))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tokens, finish, waveform = await _generate(engine_client, prompt, stage0, modality, request_id)
     return JSONResponse(_response(request, model, request_id, len(prompt["prompt_token_ids"]), tokens, finish, waveform))
@@ -219,4 +213,4 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any) -> Any
 
 def register_route() -> None:
     """Speech-LM checkpoints get this module's handler, every other model vllm-omni's own."""
-    dispatch_chat_route(is_speechlm, create_speechlm_chat_completion)
+    dispatch_route(ROUTE, is_speechlm, create_speechlm_chat_completion)

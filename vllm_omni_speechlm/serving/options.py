@@ -29,6 +29,28 @@ def model_options(options: Mapping[str, Any] | None, where: str) -> dict[str, An
     return {k: v for k, v in options.items() if v is not None}
 
 
+def placed_options(top: Mapping[str, Any], nested: Any) -> dict[str, Any]:
+    """Options given at a request's top level (vLLM's place for sampling extensions) and in its
+    `extra_params`, as one dict; an option set in both places is an error naming it."""
+    if nested is None:
+        return dict(top)
+    if not isinstance(nested, Mapping):
+        raise ValueError(f"extra_params: expected a JSON object, got {type(nested).__name__}")
+    both = sorted(set(top) & set(nested))
+    if both:
+        raise ValueError(f"{both[0]}: set at the top level and in extra_params; set it in one place")
+    return {**nested, **top}
+
+
+def bad_request(message: str) -> Any:
+    """An OpenAI-style HTTP 400 whose `param` is the field the message starts with."""
+    from fastapi.responses import JSONResponse
+
+    param = message.split(":", 1)[0] if ":" in message else None
+    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+    return JSONResponse(content=body, status_code=400)
+
+
 def text_input(value: Any, field: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{field}: expected a string, got {type(value).__name__}")

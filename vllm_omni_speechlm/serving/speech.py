@@ -7,9 +7,13 @@ and SSE streaming, and aborting the request in every stage when the client goes 
 turns one request into the engine request:
 
 - prompt: `input` as the user turn, `instructions` (or DEFAULT_SYSTEM) as the system turn
-- `extra_params`: the model's options (`options.MODEL_OPTIONS`) and `modality` ("audio", the
-  default, or "text+audio": the model writes a text answer first and speaks it)
+- the model's options (`options.MODEL_OPTIONS`) and `modality` ("audio", the default, or
+  "text+audio": the model writes a text answer first and speaks it), at the top level (vLLM's
+  place for sampling extensions) or in `extra_params`. vllm-omni's schema drops unknown top-level
+  fields, so this module's route (`create_speech`) reads them from the raw body and moves them
+  into `extra_params`; any other unknown field is an error.
 - `initial_codec_chunk_frames`: this request's first streaming window (faster first audio)
+- `sample_rate`: any of OUTPUT_SAMPLE_RATES (vllm-omni resamples, streamed or not)
 
 Every field this model does not support (voices, reference audio, speed, ...) is rejected with a
 message naming it (vllm-omni answers HTTP 400), never silently ignored.
@@ -20,20 +24,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from pydantic import AliasChoices
 from vllm_omni.entrypoints.openai.tts_adapters import TTS_ADAPTER_REGISTRY, register_tts_adapter
 from vllm_omni.entrypoints.openai.tts_adapters.base import ARTTSAdapter, PreparedRequest
 
+from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving import options
-from vllm_omni_speechlm.serving.model_info import served_model
+from vllm_omni_speechlm.serving.model_info import is_speechlm, served_model
 from vllm_omni_speechlm.streaming import initial_chunk_frames
 from vllm_omni_speechlm.tokenizer import encode_prompt
 
+ROUTE = "/v1/audio/speech"
 # The released model often stops before any audio without a system turn (model facts).
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer in speech."
 SPEECH_MODALITIES = ("audio", "text+audio")
+# Top-level fields besides vllm-omni's schema: the model's options.
+TOP_LEVEL_OPTIONS = (*options.MODEL_OPTIONS, "modality")
+# Output rates (the codec's 16 kHz resampled by vllm-omni): telephony to studio.
+OUTPUT_SAMPLE_RATES = frozenset({8000, 16000, 22050, 24000, 44100, 48000})
 MAX_INSTRUCTIONS_CHARS = 10_000
 # Request fields of vllm-omni's schema that other TTS models use and these models do not (their
 # schema default is None): a value is an error, not silently ignored.
@@ -71,7 +82,7 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
     # The speech LM stage of every family (pipeline.speech_lm_stage); the adapter reads the
     # checkpoint's own layout, so it is not tied to one architecture.
     stage_keys: ClassVar[frozenset[str]] = frozenset({SPEECH_LM_STAGE})
-    supported_output_sample_rates: ClassVar[frozenset[int]] = frozenset({16000})
+    supported_output_sample_rates: ClassVar[frozenset[int]] = OUTPUT_SAMPLE_RATES
 
     @classmethod
     def stage_serves_speech(cls, model_stage: str | None, all_stage_keys: frozenset[str]) -> bool:
@@ -123,8 +134,41 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
         return out
 
 
-def register_adapter() -> None:
-    """Register once per process (the plugin entry point runs more than once; vllm-omni's
-    registry raises on a duplicate name)."""
+def _schema_keys(request_cls: Any) -> set[str]:
+    """The top-level names a request schema reads: its fields and their aliases."""
+    keys = set()
+    for name, field in request_cls.model_fields.items():
+        alias = field.validation_alias
+        keys |= {name, field.alias} | (set(alias.choices) if isinstance(alias, AliasChoices) else {alias})
+    return {k for k in keys if isinstance(k, str)}
+
+
+def with_top_level_options(request: Any, body: Any) -> Any:
+    """The request with the model options of its raw JSON `body`'s top level moved into
+    `extra_params`; any other field the schema does not know is an error naming it."""
+    if not isinstance(body, dict):
+        return request
+    top = {k: v for k, v in body.items() if k not in _schema_keys(type(request))}
+    unknown = sorted(set(top) - set(TOP_LEVEL_OPTIONS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field (the model's options: {', '.join(TOP_LEVEL_OPTIONS)})")
+    if not top:
+        return request
+    return request.model_copy(update={"extra_params": options.placed_options(top, request.extra_params)})
+
+
+async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
+    """vllm-omni's speech route, for these models: the top-level options first (module docstring)."""
+    try:
+        request = with_top_level_options(request, await raw_request.json())
+    except ValueError as e:
+        return options.bad_request(str(e))
+    return await stock(request, raw_request)
+
+
+def register() -> None:
+    """Register the adapter and the route once per process (the plugin entry point runs more than
+    once; vllm-omni's registry raises on a duplicate name)."""
     if SpeechLMSpeechAdapter.name not in TTS_ADAPTER_REGISTRY:
         register_tts_adapter(SpeechLMSpeechAdapter)
+    dispatch_route(ROUTE, is_speechlm, create_speech)
