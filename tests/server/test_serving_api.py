@@ -173,6 +173,21 @@ def test_output_sample_rate(client, rate):
         assert np.abs(got / 32768.0 - want)[keep].max() < 4 / 32768  # PCM16 rounding, before and after
 
 
+def test_usage_block(server, reference):
+    """The speech route reports usage as vllm-omni's TTS models do: response headers, and the SSE
+    `done` event; the output tokens are the stream-0 steps the model generated."""
+    body = {"input": TEXT, "seed": 3, "max_new_tokens": 120, "response_format": "pcm"}
+    ids = encode_prompt(reference.tokenizer, reference.cfg, TEXT, system=DEFAULT_SYSTEM)
+    steps = len(reference.generate(ids, SpeechSamplingParams(modality="audio", seed=3, max_tokens=120)).token_ids)
+    resp = _post(server, "/v1/audio/speech", body)
+    headers = {k: int(resp.headers[f"x-vllm-omni-{k}-tokens"]) for k in ("input", "output", "total")}
+    assert headers["output"] == steps and headers["total"] == headers["input"] + steps and headers["input"] > 0
+    sse = _post(server, "/v1/audio/speech", body | {"stream": True, "stream_format": "sse"})
+    done = json.loads([line for line in sse.text.splitlines() if line.startswith("data: ")][-1][6:])
+    assert done["type"] == "speech.audio.done"
+    assert {k: done["usage"][f"{k}_tokens"] for k in headers} == headers
+
+
 def test_instructions_are_the_system_turn(client, reference):
     got = client.audio.speech.create(**_speech(client, instructions="Speak slowly.")).content
     _assert_pcm_equal(got, _reference_pcm(reference, TEXT, system="Speak slowly.", modality="audio", seed=3,
