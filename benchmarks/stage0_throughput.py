@@ -124,12 +124,11 @@ stages:
 
 def use_selftest_pipelines() -> None:
     """Register devtools' self-test pipelines here and in every engine process this one starts."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # devtools
+    from devtools import selftest_pipelines
     from vllm_omni_speechlm import plugin
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ[plugin.EXTRA_PLUGIN_ENV] = "devtools.selftest_pipelines"
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, root)
+    selftest_pipelines.enable()
     plugin.register()
 
 

@@ -10,12 +10,14 @@ vLLM can load as ``Qwen3ForCausalLM`` and are selected only by name, through a d
   the client sees stage 1's tensor equal to stage 0's tokens.
 
 Registered in every process (workers too) by the project's plugin when ``SPEECHLM_EXTRA_PLUGIN``
-names this module (tests/conftest.py, benchmarks/stage0_throughput.py).
+names this module (`enable`: tests/conftest.py, benchmarks/stage0_throughput.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,6 +142,16 @@ def _pipelines() -> list[Any]:
             ),
         ),
     ]
+
+
+def enable() -> None:
+    """Have the project's plugin register these pipelines in every process started from here on
+    (their PYTHONPATH gets the repository root, which holds `devtools`)."""
+    from vllm_omni_speechlm.plugin import EXTRA_PLUGIN_ENV
+
+    root = str(Path(__file__).resolve().parents[1])
+    os.environ[EXTRA_PLUGIN_ENV] = __name__
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
 
 
 def register() -> None:

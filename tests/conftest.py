@@ -12,15 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from devtools import selftest_pipelines
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # The self-test pipelines (devtools/), registered in every process: spawned engines, workers and
 # servers inherit the variables.
-ROOT = str(Path(__file__).resolve().parents[1])
-os.environ["SPEECHLM_EXTRA_PLUGIN"] = "devtools.selftest_pipelines"
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-
+selftest_pipelines.enable()
 
 TIERS = ("unit", "engine", "server")
 

@@ -51,7 +51,7 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
 @dataclass(frozen=True)
 class Hook:
     """`owner.name` ("module:Class", or "module" for a module-level name), as the project uses it
-    (`use`: "override", "call" or "attribute"). `params`: a callable's parameters as written
+    (`use`: "override", "call", "attribute", or "restated": a rule this project repeats). `params`: a callable's parameters as written
     against (names, defaults, `*` / `**` markers; no annotations), None for an attribute."""
 
     owner: str
@@ -89,7 +89,7 @@ HOOKS = (
     Hook(_REQUEST, "num_stale_output_tokens", "attribute"),
     Hook(_REQUEST, "take_prefill_stats", "call", "self"),
     Hook(_REQUEST, "take_events", "call", "self"),
-    Hook("vllm.v1.core.sched.utils", "check_stop", "call", "request, max_model_len"),  # restated: stops_after
+    Hook("vllm.v1.core.sched.utils", "check_stop", "restated", "request, max_model_len"),  # stops_after
     # the chunk adapter and the async_chunk processor (stage_input_processors/speech_codec.py)
     Hook(_ADAPTER, "save_async", "override", "self, multimodal_output=None, request=None, is_segment_finished=False, "
          "new_token_ids=None, confirmed_num_computed_tokens=None, segment_generation=None, force_request_finished=False"),

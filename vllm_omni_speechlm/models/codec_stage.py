@@ -1,7 +1,7 @@
 """Stage 1 of the two-stage pipelines: the codec decoder (X-Codec for Bagpiper, DAC for
 OpusLM, from the checkpoint's `codec.type`) as a vllm-omni generation model.
 
-Each scheduled request carries one window from `vllm_omni_speechlm.stage_input_processors.speech_codec` as its
+Each scheduled request carries one window from stage_input_processors/speech_codec.py as its
 prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_context_size` /
 `meta.right_holdback_size` in its runtime information. One forward decodes all windows of the
 step, windows of equal length together in one batched codec call (unequal lengths are not padded:

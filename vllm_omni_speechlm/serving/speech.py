@@ -22,6 +22,7 @@ message naming it (vllm-omni answers HTTP 400), never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 from pydantic import AliasChoices
@@ -134,13 +135,14 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
         return out
 
 
-def _schema_keys(request_cls: Any) -> set[str]:
+@functools.lru_cache(maxsize=4)
+def _schema_keys(request_cls: Any) -> frozenset[str]:
     """The top-level names a request schema reads: its fields and their aliases."""
     keys = set()
     for name, field in request_cls.model_fields.items():
         alias = field.validation_alias
         keys |= {name, field.alias} | (set(alias.choices) if isinstance(alias, AliasChoices) else {alias})
-    return {k for k in keys if isinstance(k, str)}
+    return frozenset(k for k in keys if isinstance(k, str))
 
 
 def with_top_level_options(request: Any, body: Any) -> Any:

@@ -3,9 +3,9 @@
 The worker fills one [N, S] host buffer of frames per step (`FrameRows`). Every tensor the
 EngineCore sends costs 15-30 us of Python on its output thread (vLLM's msgpack tensor encoding),
 and that thread holds the GIL the scheduling thread needs: on an H200, sending no frames at all
-decoded 5% more frames/s at 64 requests and 15% more at 512 (benchmarks/README.md). Splitting the buffer
-into per-request tensors, wrapping each in a payload dict and holding it cost another ~3 ms per
-step at 512 requests. So stage 0's runner hands the scheduler the whole buffer (`StepOutputs`);
+decoded 5% more frames/s at 64 requests and 15% more at 512 (benchmarks/README.md). Splitting
+the buffer into per-request tensors, wrapping each in a payload dict and holding it cost another
+~3 ms per step at 512 requests. So stage 0's runner hands the scheduler the whole buffer (`StepOutputs`);
 the scheduler copies each request's row into that request's slot of a [slots, block, S] array
 in one vectorised write per step, and sends a request's frames as one tensor when it has
 `block` of them or finishes. A request's first block is shorter by its slot number modulo
