@@ -141,6 +141,7 @@ HOOKS = (
          "prom_metrics=None, log_stats=False, tokenizer=None, trust_remote_code=None, client_config=None, **kwargs"),
     # API server (serving/)
     Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced routes: dispatch_route
+    Hook("vllm_omni.entrypoints.openai.api_server", "args", "attribute"),  # app.state.args: served_deploy_config
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_supported_speakers", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_codec_frame_rate", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "validate", "override", "self, request"),
@@ -351,6 +352,34 @@ def deploy_parallel_stage_init(path: str | None) -> bool | None:
         return parallel_stage_init_of(yaml.safe_load(f) or {}, path)
 
 
+# The deploy YAML's top-level bound on the requests the API server holds (serving/admission.py).
+MAX_PENDING_KEY = "max_pending_requests"
+
+
+def max_pending_of(deploy: dict[str, Any], path: str) -> int | None:
+    """`max_pending_requests` of a loaded deploy YAML (None: no bound); not a positive int: an error."""
+    value = deploy.get(MAX_PENDING_KEY)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"deploy config {path}: {MAX_PENDING_KEY}: expected a positive integer, got {value!r}")
+    return value
+
+
+def deploy_max_pending(path: str | None) -> int | None:
+    """The deploy YAML's `max_pending_requests` (None: not set, or no YAML)."""
+    if not path:
+        return None
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return max_pending_of(yaml.safe_load(f) or {}, path)
+
+
+def served_deploy_config(app: Any) -> str | None:
+    """The deploy YAML `vllm serve --deploy-config` was given (vllm-omni keeps the CLI arguments
+    on its app's state)."""
+    return getattr(getattr(app.state, "args", None), "deploy_config", None)
+
+
 def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
     """vllm-omni engine keyword arguments with the deploy YAML's `parallel_stage_init` where the
     caller set none. Not on CPU: vllm-omni's admission check budgets GPU memory."""
@@ -367,7 +396,8 @@ def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dic
 
 def pass_parallel_stage_init_from_deploy() -> None:
     """Make vllm-omni's engine (`OmniEngineBase.__init__`, which reads the keyword) take
-    `parallel_stage_init` from the deploy YAML. Idempotent."""
+    `parallel_stage_init` from the deploy YAML (and check the YAML's `max_pending_requests`).
+    Idempotent."""
     from vllm.platforms import current_platform
     from vllm_omni.engine.omni_engine_base import OmniEngineBase
 
@@ -377,6 +407,7 @@ def pass_parallel_stage_init_from_deploy() -> None:
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        deploy_max_pending(kwargs.get("deploy_config"))  # a bad value fails the start, not a request
         init(self, *args, **with_deploy_parallel_stage_init(kwargs, current_platform.is_cpu()))
 
     __init__._reads_deploy_parallel_stage_init = True  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
-from vllm_omni_speechlm.compat import parallel_stage_init_of
+from vllm_omni_speechlm.compat import max_pending_of, parallel_stage_init_of
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
@@ -136,6 +136,7 @@ class DeployPlan:
                 "(it has nothing to stream to); set async_chunk: false or use pipeline bagpiper_two_stage"
             )
         parallel_stage_init_of(deploy, str(path))  # a bad value fails here, not in the engine
+        max_pending_of(deploy, str(path))
         for conn_name, conn in (deploy.get("connectors") or {}).items():
             try:
                 window_settings((conn or {}).get("extra"))

@@ -157,6 +157,19 @@ def test_vllm_omni_engine_reads_the_keyword_the_hook_passes():
     assert "parallel_stage_init" not in {f.name for f in dataclasses.fields(DeployConfig)}
 
 
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "many"])
+def test_a_bad_max_pending_requests_names_the_key(tmp_path, value):
+    from vllm_omni_speechlm import plugin
+    from vllm_omni_speechlm.deploy_checks import DeployPlan
+
+    plugin.register()
+    path = _deploy(tmp_path, max_pending_requests=value)
+    with pytest.raises(ValueError, match=f"max_pending_requests: expected a positive integer, got {value!r}"):
+        DeployPlan.from_yaml(path)
+    assert compat.deploy_max_pending(_deploy(tmp_path, max_pending_requests=8)) == 8
+    assert compat.deploy_max_pending(_deploy(tmp_path)) is None
+
+
 def test_a_deploy_plan_rejects_a_bad_parallel_stage_init(tmp_path):
     from vllm_omni_speechlm import plugin
     from vllm_omni_speechlm.deploy_checks import DeployPlan

@@ -4,6 +4,8 @@
   streaming, SSE and disconnect handling; this package only turns a request into an engine request).
 - `chat.py`: `/v1/chat/completions` for these models: text, audio (base64 WAV) or both in one answer.
 - `options.py`, `model_info.py`: request options and the served checkpoint, shared by both.
+- `admission.py`: the bound on held requests (`max_pending_requests`, 429 beyond it).
+- `unserved.py`: vllm-omni's other generation routes answer 404 for these models.
 
 `register()` runs from the plugin entry point; it only acts in the API server process.
 """
@@ -21,7 +23,8 @@ def register() -> None:
     processes never serve HTTP, so they skip the imports."""
     if API_SERVER_MODULE not in sys.modules:
         return
-    from vllm_omni_speechlm.serving import chat, speech
+    from vllm_omni_speechlm.serving import chat, speech, unserved
 
     speech.register()
     chat.register_route()
+    unserved.register_routes()

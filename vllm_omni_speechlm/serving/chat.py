@@ -29,8 +29,9 @@ import torch
 from vllm_omni_speechlm.audio import to_wav
 from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
-from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.pipeline import CODEC_STAGE
+from vllm_omni_speechlm.serving import options
+from vllm_omni_speechlm.serving.admission import admitted
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -207,8 +208,12 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any, stock:
     except ValueError as e:
         return options.bad_request(str(e))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tokens, finish, waveform = await _generate(engine_client, prompt, stage0, modality, request_id)
-    return JSONResponse(_response(request, model, request_id, len(prompt["prompt_token_ids"]), tokens, finish, waveform))
+
+    async def answer() -> Any:
+        tokens, finish, waveform = await _generate(engine_client, prompt, stage0, modality, request_id)
+        return JSONResponse(_response(request, model, request_id, len(prompt["prompt_token_ids"]), tokens, finish, waveform))
+
+    return await admitted(raw_request, answer)
 
 
 def register_route() -> None:

@@ -34,6 +34,7 @@ from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_par
 from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving import options
+from vllm_omni_speechlm.serving.admission import admitted
 from vllm_omni_speechlm.serving.model_info import is_speechlm, served_model
 from vllm_omni_speechlm.streaming import initial_chunk_frames
 from vllm_omni_speechlm.tokenizer import encode_prompt
@@ -165,7 +166,7 @@ async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
         request = with_top_level_options(request, await raw_request.json())
     except ValueError as e:
         return options.bad_request(str(e))
-    return await stock(request, raw_request)
+    return await admitted(raw_request, lambda: stock(request, raw_request))
 
 
 def register() -> None:

@@ -1,0 +1,95 @@
+"""`max_pending_requests`: beyond the bound the server refuses at once (429, Retry-After), the
+admitted requests complete, and every place comes back (ended, closed early).
+
+The checkpoint masks eos for its first FRAMES audio frames, so every admitted answer runs exactly
+that long: the admitted set cannot change while the refused requests arrive."""
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import yaml
+from conftest import start_speechlm_server
+
+from vllm_omni_speechlm import stage_configs
+from vllm_omni_speechlm.config import SpeechLMConfig
+
+LIMIT = 4
+FRAMES = 300
+BODY = {"input": "Tell me a long story.", "max_new_tokens": FRAMES + 20, "response_format": "pcm", "stream_format": "audio"}
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bagpiper, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overload")
+    model = shutil.copytree(tiny_bagpiper, tmp / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["speechlm"]["decoding"]["min_audio_frames"] = FRAMES
+    (model / "config.json").write_text(json.dumps(config))
+    with open(stage_configs.path("bagpiper_streaming_cpu_tiny.yaml")) as f:
+        deploy = yaml.safe_load(f) | {"max_pending_requests": LIMIT}
+    (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
+    yield from start_speechlm_server(str(model), str(tmp / "deploy.yaml"), tmp)
+
+
+def _timed_post(client: httpx.Client, path: str, body: dict, start: threading.Barrier) -> tuple[float, httpx.Response]:
+    start.wait()
+    began = time.monotonic()
+    resp = client.post(path, json=body)
+    return time.monotonic() - began, resp
+
+
+def _streams_playing(server, n: int, pool: ThreadPoolExecutor, playing: threading.Barrier):
+    """n streamed answers, each read to the end after all n have sent their first audio."""
+
+    def listen(seed: int) -> bytes:
+        with httpx.stream("POST", server.url + "/v1/audio/speech", json=BODY | {"seed": seed}, timeout=600) as r:
+            assert r.status_code == 200, r.read()[:300]
+            chunks = r.iter_raw()
+            first = next(chunks)
+            playing.wait()
+            return first + b"".join(chunks)
+
+    return [pool.submit(listen, seed) for seed in range(n)]
+
+
+def test_requests_beyond_the_bound_are_refused_at_once(server):
+    """LIMIT answers playing, then 8 more speech requests and a chat request at once: each gets
+    429 + Retry-After within a second, the playing answers run to their end, and then the places
+    are free again."""
+    extra = [("/v1/audio/speech", BODY | {"seed": 100 + i}) for i in range(8)] + [CHAT]
+    playing = threading.Barrier(LIMIT + 1)
+    with ThreadPoolExecutor(LIMIT + len(extra)) as pool:
+        admitted = _streams_playing(server, LIMIT, pool, playing)
+        playing.wait(timeout=300)
+        start = threading.Barrier(len(extra))
+        with httpx.Client(base_url=server.url, timeout=600, limits=httpx.Limits(max_connections=len(extra))) as client:
+            refused = list(pool.map(lambda r: _timed_post(client, *r, start), extra))
+        answers = [f.result() for f in admitted]
+    for seconds, resp in refused:
+        assert resp.status_code == 429, resp.text[:300]
+        assert seconds < 1.0 and resp.headers["retry-after"] == "1"
+        assert "max_pending_requests" in resp.json()["error"]["message"]
+    frame_bytes = 2 * SpeechLMConfig.from_model_dir(server.model_dir).codec.hop_length  # 16-bit PCM
+    assert all(len(a) >= (FRAMES - 8) * frame_bytes for a in answers)  # ran to the end (less the delay)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.post(server.url + CHAT[0], json=CHAT[1], timeout=300).status_code == 200
+
+
+def test_places_come_back_when_streams_end_or_are_closed(server):
+    for seed in range(LIMIT):  # listeners that leave after the first chunk
+        with httpx.stream("POST", server.url + "/v1/audio/speech", json=BODY | {"seed": seed}, timeout=600) as r:
+            next(r.iter_raw())
+    deadline = time.monotonic() + 60
+    with ThreadPoolExecutor(LIMIT) as pool:
+        while True:  # the aborts reach the routes' bodies asynchronously
+            burst = list(pool.map(lambda _: httpx.post(server.url + CHAT[0], json=CHAT[1], timeout=300), range(LIMIT)))
+            if all(r.status_code == 200 for r in burst) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert [r.status_code for r in burst] == [200] * LIMIT
