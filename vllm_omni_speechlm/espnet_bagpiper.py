@@ -131,7 +131,7 @@ def _check_audio_input(weights: dict[str, torch.Tensor], hidden: int) -> None:
     for name in ("weight", "bias"):
         if AUDIO_ADAPTOR_PREFIX + name not in weights:
             raise _fail(f"missing {ADAPTOR + name!r}")
-    extra = sorted(k for k in weights if k.startswith(AUDIO_ADAPTOR_PREFIX))[2:]
+    extra = sorted(k for k in weights if k.startswith(AUDIO_ADAPTOR_PREFIX) and k[len(AUDIO_ADAPTOR_PREFIX):] not in ("weight", "bias"))
     if extra:
         raise _fail(f"unexpected key {ADAPTOR + extra[0][len(AUDIO_ADAPTOR_PREFIX):]!r}")
     tower_out = weights.get(AUDIO_TOWER_PREFIX + AUDIO_TOWER_OUT)
@@ -188,8 +188,9 @@ def split_export(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(served model.safetensors tensors, codec/model.safetensors tensors) of an export."""
     check_keys(state)
+    weights = lm_weights(state, layout, geo)
     check_vocab_weight(state, layout)
-    return lm_weights(state, layout, geo), codec_weights(state, codec)
+    return weights, codec_weights(state, codec)
 
 
 def export_state(weights: dict[str, torch.Tensor], codec_model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
