@@ -1,11 +1,31 @@
 """`speechlm-convert`: a released ESPnet SpeechLM checkpoint -> a directory this project serves.
 
+    speechlm-convert --family bagpiper --espnet-checkpoint EXPORT.pth \
+        --backbone-config Qwen3-8B-Base/config.json --text-tokenizer Qwen3-8B-Base/tokenizer.json \
+        [--codec-config xcodec-hubert-general/config.json] --out DIR
     speechlm-convert --family {opuslm,opuslm-dialogue} --espnet-checkpoint EXP/model.pth \
         --text-tokenizer BACKBONE/tokenizer.json --codec DAC_DIR --out DIR \
         [--config EXP/config.yaml] [--backbone-config BACKBONE/config.json] [--min-audio-frames 50]
 
-ESPnet ships no `config.json`: the experiment has a `config.yaml` (the training arguments) and a
-`*.pth` state dict. What this reads, and where the names come from (ESPnet master):
+Output (both): config.json (backbone fields + the `speechlm` section), model.safetensors (Hugging
+Face names + `stream_embeddings.weight`), tokenizer.json / tokenizer_config.json over the unified
+vocabulary, codec/. A bad input is a ValueError naming the key or field (the CLI: exit 2).
+
+Bagpiper. ESPnet's export_checkpoint.py writes `{"module": state_dict}` and nothing else: no
+config, tokenizer or token list. Its names and what each becomes are in espnet_bagpiper.py: the
+Qwen3 LM keeps its names, `stream_emb` becomes `stream_embeddings` (row 0 zero, as ESPnet uses
+it), `vocab_weight` (a loss weight) is dropped, the Qwen3-Omni audio tower and its adaptor travel
+as `audio_tower.*` / `audio_adaptor.*` (not served yet: the engine skips them by name), and the
+export's whole X-Codec model gives codec/ its decoder tensors. The layout is `bagpiper_layout`
+over the backbone's text vocabulary (`vocab_size` of its config.json, 151936 for Qwen3-8B-Base,
+checked against the embedding rows); the geometry comes from that config.json (default: the
+released Qwen3-8B-Base) and every tensor's shape is checked against it. The tokenizer is the
+backbone's BPE (its pre-tokenizer and normalizer kept), its ids shifted by 256; text ids it does
+not use get placeholder tokens. The X-Codec config is a transformers XcodecConfig json
+(hf-audio/xcodec-hubert-general's; default: the released geometry), written as codec/config.json.
+
+OpusLM. ESPnet ships no `config.json`: the experiment has a `config.yaml` (the training
+arguments) and a `*.pth` state dict. What this reads, and where the names come from (ESPnet master):
   config.yaml   `token_list` (every id's string, saved expanded by espnet2/tasks/speechlm.py
                 `build_model`), `token_bias` (modality -> [start, end), `process_token_bias`),
                 `codec_token_in_use` (nq: the number of streams), `transformer_conf.n_ctx`.
@@ -21,10 +41,8 @@ by `hf_model_tag`): pass its config.json, or the family's released geometry is u
 checked against the weights. The text ids are the backbone tokenizer's ids shifted into
 `token_bias["text_bpe"]`; its tokenizer.json gives the merges (checked against `token_list`).
 The codec directory is a transformers `DacModel` checkpoint (descript/dac_16khz), copied.
-
-Output: config.json (backbone fields + the `speechlm` section), model.safetensors (HF names,
 `stream_embeddings.weight` = head_emb[:nq]; `aux_lm_head` rows go to lm_head's codec rows, which
-stream 0 never samples), tokenizer.json / tokenizer_config.json, codec/.
+stream 0 never samples.
 """
 
 from __future__ import annotations
@@ -280,8 +298,11 @@ def convert_bagpiper(
     codec_config_path: str | None = None,
 ) -> SpeechLMConfig:
     """ESPnet's Bagpiper export -> a served directory (the layout: `bagpiper_layout`)."""
-    geo, text_vocab = qwen3_geometry(read_json(backbone_config_path, "--backbone-config") if backbone_config_path else None)
-    codec_raw = read_json(codec_config_path, "--codec-config") if codec_config_path else XCodecDecoderConfig().to_xcodec_dict()
+    backbone = read_json(backbone_config_path, "--backbone-config") if backbone_config_path else None
+    geo, text_vocab = qwen3_geometry(backbone)
+    codec_raw = XCodecDecoderConfig().to_xcodec_dict()  # the released geometry
+    if codec_config_path:
+        codec_raw = read_json(codec_config_path, "--codec-config")
     codec_config = XCodecDecoderConfig.from_dict(codec_raw)
     layout = bagpiper_layout(text_vocab)
     weights, codec = split_export(load_bagpiper_export(checkpoint), layout, geo, codec_config)

@@ -115,7 +115,8 @@ def lm_weights(state: dict[str, torch.Tensor], layout: SpeechLMConfig, geo: Geom
         out[name] = tensor
     missing = [n for n in expected if n not in out]
     if missing:
-        raise _fail(f"missing {_export_name(missing[0])!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise _fail(f"missing {_export_name(missing[0])!r}{more}")
     out["stream_embeddings.weight"] = out["stream_embeddings.weight"].clone()
     out["stream_embeddings.weight"][0] = 0.0  # ESPnet's stream 0 reads the hidden state as is
     _check_audio_input(out, geo.hidden_size)
@@ -131,9 +132,10 @@ def _check_audio_input(weights: dict[str, torch.Tensor], hidden: int) -> None:
     for name in ("weight", "bias"):
         if AUDIO_ADAPTOR_PREFIX + name not in weights:
             raise _fail(f"missing {ADAPTOR + name!r}")
-    extra = sorted(k for k in weights if k.startswith(AUDIO_ADAPTOR_PREFIX) and k[len(AUDIO_ADAPTOR_PREFIX):] not in ("weight", "bias"))
+    names = sorted(k[len(AUDIO_ADAPTOR_PREFIX) :] for k in weights if k.startswith(AUDIO_ADAPTOR_PREFIX))
+    extra = [n for n in names if n not in ("weight", "bias")]
     if extra:
-        raise _fail(f"unexpected key {ADAPTOR + extra[0][len(AUDIO_ADAPTOR_PREFIX):]!r}")
+        raise _fail(f"unexpected key {ADAPTOR + extra[0]!r}")
     tower_out = weights.get(AUDIO_TOWER_PREFIX + AUDIO_TOWER_OUT)
     if tower_out is None:
         raise _fail(f"missing {AUDIO_TOWER + AUDIO_TOWER_OUT!r}")

@@ -30,7 +30,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from vllm_omni_speechlm.codec.dac import write_tiny_dac
 from vllm_omni_speechlm.codec.xcodec import TINY_CONFIG as TINY_CODEC
-from vllm_omni_speechlm.codec.xcodec import random_decoder_state, tiny_xcodec_config, write_tiny_xcodec, write_xcodec_dir
+from vllm_omni_speechlm.codec.xcodec import (
+    random_decoder_state,
+    tiny_xcodec_config,
+    write_tiny_xcodec,
+    write_xcodec_dir,
+)
 from vllm_omni_speechlm.config import (
     AUDIO_ADAPTOR_PREFIX,
     AUDIO_TOWER_PREFIX,
@@ -211,7 +216,11 @@ def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, spe
 
 
 def write_served_lm(
-    out_dir: str | os.PathLike, config: dict, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, layout: SpeechLMConfig
+    out_dir: str | os.PathLike,
+    config: dict,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    layout: SpeechLMConfig,
 ) -> None:
     """config.json, model.safetensors and the tokenizer of a served checkpoint (the codec apart)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -243,7 +252,7 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechL
 # A Qwen3-Omni audio encoder (transformers' Qwen3OmniMoeAudioEncoderConfig fields) small enough to
 # build in milliseconds; 128 mel bins as released. Its output width feeds the adaptor.
 TINY_AUDIO_TOWER = dict(
-    d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, downsample_hidden_size=8, output_dim=48
+    d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, downsample_hidden_size=8, output_dim=24
 )
 # Files of a tiny export: ESPnet's state dict, and what ESPnet reads from the hub by name.
 EXPORT_CHECKPOINT = "model.pth"
@@ -310,7 +319,8 @@ def tiny_qwen3_config(geo: BackboneGeometry, text_vocab_size: int) -> dict:
     return config | {"vocab_size": text_vocab_size}
 
 
-def _tiny_bagpiper_parts(seed: int) -> tuple[SpeechLMConfig, BackboneGeometry, dict[str, torch.Tensor]]:
+def tiny_bagpiper_parts(seed: int) -> tuple[SpeechLMConfig, BackboneGeometry, dict[str, torch.Tensor]]:
+    """(layout, geometry, ESPnet export state dict) of the tiny Bagpiper of `seed`."""
     fam = FAMILIES["bagpiper"]
     layout = fam.layout(TINY_TEXT_VOCAB)
     geo = BackboneGeometry(rope_theta=fam.rope_theta, rms_norm_eps=fam.rms_norm_eps)
@@ -321,7 +331,7 @@ def _tiny_bagpiper_parts(seed: int) -> tuple[SpeechLMConfig, BackboneGeometry, d
 def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, str]:
     """A tiny Bagpiper export as ESPnet writes it (`{"module": state_dict}`, ESPnet's names) plus
     the backbone's config.json / tokenizer.json and the X-Codec config; returns their paths."""
-    layout, geo, state = _tiny_bagpiper_parts(seed)
+    layout, geo, state = tiny_bagpiper_parts(seed)
     paths = {
         "checkpoint": os.path.join(out_dir, EXPORT_CHECKPOINT),
         "backbone_config": os.path.join(out_dir, EXPORT_BACKBONE, "config.json"),
@@ -342,7 +352,7 @@ def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dic
 def _make_tiny_bagpiper(out_dir: str | os.PathLike, seed: int) -> SpeechLMConfig:
     """The tiny export's tensors mapped as `speechlm-convert --family bagpiper` maps them (a test
     converts the written export and compares the directories byte for byte)."""
-    layout, geo, state = _tiny_bagpiper_parts(seed)
+    layout, geo, state = tiny_bagpiper_parts(seed)
     weights, codec = split_export(state, layout, geo, TINY_CODEC)
     fam = FAMILIES["bagpiper"]
     text_tok = tiny_text_tokenizer()

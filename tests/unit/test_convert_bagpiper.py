@@ -20,13 +20,14 @@ from vllm_omni_speechlm import espnet_bagpiper as eb
 from vllm_omni_speechlm.codec.xcodec import TINY_CONFIG
 from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
 from vllm_omni_speechlm.convert import convert_bagpiper
-from vllm_omni_speechlm.make_tiny import BackboneGeometry, _tiny_bagpiper_parts, write_tiny_bagpiper_export
+from vllm_omni_speechlm.make_tiny import BackboneGeometry, tiny_bagpiper_parts, write_tiny_bagpiper_export
 from vllm_omni_speechlm.tokenizer import backbone_text_vocab
 
 SERVED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "codec/config.json", "codec/model.safetensors")
-# What the engineer running ESPnet's own code recorded of a tiny Bagpiper's state dict.
-ESPNET_KEYS = "/work/wt-espnet/tests/data/espnet/tiny_bagpiper_keys.txt"
+# Key, shape, dtype of the state dict ESPnet's own code (smellslikeml/espnet@6892551, float32)
+# builds for a Bagpiper of the tiny geometry.
+ESPNET_KEYS = os.path.join(os.path.dirname(__file__), "..", "data", "espnet", "tiny_bagpiper_keys.txt")
 
 
 def _bin(name: str) -> str:
@@ -60,7 +61,8 @@ def test_cli_export_is_deterministic_per_seed(tmp_path, export):
                    "--out", str(tmp_path / str(seed)), "--seed", str(seed))
         assert run.returncode == 0, run.stderr[-2000:]
     names = ["model.pth", "backbone/config.json", "backbone/tokenizer.json", "xcodec/config.json"]
-    assert [_digest(tmp_path / "0" / n) for n in names] == [_digest(os.path.join(os.path.dirname(export["checkpoint"]), n)) for n in names]
+    fixture = os.path.dirname(export["checkpoint"])
+    assert [_digest(tmp_path / "0" / n) for n in names] == [_digest(os.path.join(fixture, n)) for n in names]
     assert _digest(tmp_path / "0" / "model.pth") != _digest(tmp_path / "1" / "model.pth")
 
 
@@ -70,27 +72,23 @@ def test_export_has_espnets_names(export):
     state = saved["module"]
     assert {k.split(".")[0] for k in state} == {"model", "lm_head", "stream_emb", "vocab_weight", "adaptor",
                                                  "multimodal_io_dict"}
-    for part in ("acoustic_decoder.conv1.weight", "acoustic_encoder.conv1.weight", "semantic_model.feature_projection.projection.weight",
-                 "quantizer.quantizers.7.codebook.embed", "quantizer.quantizers.7.codebook.embed_avg"):
+    for part in ("acoustic_decoder.conv1.weight", "acoustic_encoder.conv1.weight",
+                 "semantic_model.feature_projection.projection.weight", "quantizer.quantizers.7.codebook.embed",
+                 "quantizer.quantizers.7.codebook.embed_avg"):
         assert eb.CODEC + part in state, part
     assert eb.AUDIO_TOWER + eb.AUDIO_TOWER_OUT in state and eb.ADAPTOR + "weight" in state
     backbone = json.load(open(export["backbone_config"]))
     assert backbone["architectures"] == ["Qwen3ForCausalLM"] and "speechlm" not in backbone
 
 
-@pytest.mark.skipif(not os.path.exists(ESPNET_KEYS), reason="ESPnet's tiny key list not recorded yet")
-def test_export_names_are_the_ones_espnet_writes(export):
-    """Key names (ESPnet's tiny geometry differs from ours; names must not)."""
+def test_export_is_what_espnet_writes(export):
+    """Every key, shape and dtype of the state dict ESPnet's own code builds at the tiny geometry."""
     with open(ESPNET_KEYS) as f:
-        espnet = {line.split()[0] for line in f if line.strip() and not line.startswith("#")}
-    ours = set(torch.load(export["checkpoint"], weights_only=True)["module"])
-
-    def general(keys):  # layer indices vary with the geometry
-        import re
-
-        return {re.sub(r"\.\d+\.", ".N.", k) for k in keys}
-
-    assert general(ours) == general(espnet)
+        espnet = dict((k, (shape, dtype)) for k, shape, dtype in (line.split() for line in f if line.strip()))
+    state = torch.load(export["checkpoint"], weights_only=True)["module"]
+    ours = {k: (f"[{','.join(map(str, v.shape))}]", str(v.dtype).removeprefix("torch.")) for k, v in state.items()}
+    assert sorted(ours) == sorted(espnet)
+    assert {k: v for k, v in ours.items() if espnet[k] != v} == {}
 
 
 def test_converted_export_is_the_tiny_checkpoint(tmp_path, export, tiny_bagpiper):
@@ -108,7 +106,7 @@ def test_converted_export_is_the_tiny_checkpoint(tmp_path, export, tiny_bagpiper
 
 def test_tensors_map_one_to_one(export):
     """Each served tensor is its export tensor (the names of espnet_bagpiper's table)."""
-    layout, geo, state = _tiny_bagpiper_parts(0)
+    layout, geo, state = tiny_bagpiper_parts(0)
     weights, codec = eb.split_export(state, layout, geo, TINY_CONFIG)
     assert torch.equal(weights["stream_embeddings.weight"], state[eb.STREAM_EMB])
     assert torch.equal(weights["audio_adaptor.weight"], state[eb.ADAPTOR + "weight"])
@@ -143,12 +141,12 @@ def test_stream_embedding_zero_is_forced(tmp_path, export, reference):
 
 
 def _split(state):
-    layout, geo, _ = _tiny_bagpiper_parts(0)
+    layout, geo, _ = tiny_bagpiper_parts(0)
     return eb.split_export(state, layout, geo, TINY_CONFIG)
 
 
 def _edited(edit):
-    state = dict(_tiny_bagpiper_parts(0)[2])
+    state = dict(tiny_bagpiper_parts(0)[2])
     edit(state)
     return state
 
@@ -214,7 +212,7 @@ def test_codec_config_that_disagrees_with_the_weights_fails(tmp_path, export):
 
 def test_weight_normalised_codec_is_folded():
     """An XcodecModel saved with weight norm applied converts to the same decoder."""
-    state = dict(_tiny_bagpiper_parts(0)[2])
+    state = dict(tiny_bagpiper_parts(0)[2])
     key = eb.CODEC + "acoustic_decoder.conv1.weight"
     w = state.pop(key)
     g = w.norm(dim=(1, 2), keepdim=True)
