@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPEECHLM_KEY = "speechlm"
+# Audio-input weights a served checkpoint may carry next to the LM (Bagpiper: the Qwen3-Omni
+# audio encoder, named as vLLM's Qwen3-Omni thinker names it, and the linear adaptor from its
+# output to the LM's hidden size). Audio input is not served yet: the engine and the reference
+# skip these prefixes on purpose.
+AUDIO_TOWER_PREFIX = "audio_tower."
+AUDIO_ADAPTOR_PREFIX = "audio_adaptor."
+AUDIO_INPUT_PREFIXES = (AUDIO_TOWER_PREFIX, AUDIO_ADAPTOR_PREFIX)
 
 
 def _fail(name: str, message: str) -> ValueError:

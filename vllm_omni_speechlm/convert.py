@@ -1,11 +1,31 @@
 """`speechlm-convert`: a released ESPnet SpeechLM checkpoint -> a directory this project serves.
 
+    speechlm-convert --family bagpiper --espnet-checkpoint EXPORT.pth \
+        --backbone-config Qwen3-8B-Base/config.json --text-tokenizer Qwen3-8B-Base/tokenizer.json \
+        [--codec-config xcodec-hubert-general/config.json] --out DIR
     speechlm-convert --family {opuslm,opuslm-dialogue} --espnet-checkpoint EXP/model.pth \
         --text-tokenizer BACKBONE/tokenizer.json --codec DAC_DIR --out DIR \
         [--config EXP/config.yaml] [--backbone-config BACKBONE/config.json] [--min-audio-frames 50]
 
-ESPnet ships no `config.json`: the experiment has a `config.yaml` (the training arguments) and a
-`*.pth` state dict. What this reads, and where the names come from (ESPnet master):
+Output (both): config.json (backbone fields + the `speechlm` section), model.safetensors (Hugging
+Face names + `stream_embeddings.weight`), tokenizer.json / tokenizer_config.json over the unified
+vocabulary, codec/. A bad input is a ValueError naming the key or field (the CLI: exit 2).
+
+Bagpiper. ESPnet's export_checkpoint.py writes `{"module": state_dict}` and nothing else: no
+config, tokenizer or token list. Its names and what each becomes are in espnet_bagpiper.py: the
+Qwen3 LM keeps its names, `stream_emb` becomes `stream_embeddings` (row 0 zero, as ESPnet uses
+it), `vocab_weight` (a loss weight) is dropped, the Qwen3-Omni audio tower and its adaptor travel
+as `audio_tower.*` / `audio_adaptor.*` (not served yet: the engine skips them by name), and the
+export's whole X-Codec model gives codec/ its decoder tensors. The layout is `bagpiper_layout`
+over the backbone's text vocabulary (`vocab_size` of its config.json, 151936 for Qwen3-8B-Base,
+checked against the embedding rows); the geometry comes from that config.json (default: the
+released Qwen3-8B-Base) and every tensor's shape is checked against it. The tokenizer is the
+backbone's BPE (its pre-tokenizer and normalizer kept), its ids shifted by 256; text ids it does
+not use get placeholder tokens. The X-Codec config is a transformers XcodecConfig json
+(hf-audio/xcodec-hubert-general's; default: the released geometry), written as codec/config.json.
+
+OpusLM. ESPnet ships no `config.json`: the experiment has a `config.yaml` (the training
+arguments) and a `*.pth` state dict. What this reads, and where the names come from (ESPnet master):
   config.yaml   `token_list` (every id's string, saved expanded by espnet2/tasks/speechlm.py
                 `build_model`), `token_bias` (modality -> [start, end), `process_token_bias`),
                 `codec_token_in_use` (nq: the number of streams), `transformer_conf.n_ctx`.
@@ -21,10 +41,8 @@ by `hf_model_tag`): pass its config.json, or the family's released geometry is u
 checked against the weights. The text ids are the backbone tokenizer's ids shifted into
 `token_bias["text_bpe"]`; its tokenizer.json gives the merges (checked against `token_list`).
 The codec directory is a transformers `DacModel` checkpoint (descript/dac_16khz), copied.
-
-Output: config.json (backbone fields + the `speechlm` section), model.safetensors (HF names,
 `stream_embeddings.weight` = head_emb[:nq]; `aux_lm_head` rows go to lm_head's codec rows, which
-stream 0 never samples), tokenizer.json / tokenizer_config.json, codec/.
+stream 0 never samples.
 """
 
 from __future__ import annotations
@@ -40,9 +58,11 @@ import yaml
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, opuslm_layout
-from vllm_omni_speechlm.make_tiny import FAMILIES, BackboneGeometry, backbone_config
-from vllm_omni_speechlm.tokenizer import build_tokenizer, write_hf_tokenizer
+from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig, write_xcodec_dir
+from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout, opuslm_layout
+from vllm_omni_speechlm.espnet_bagpiper import split_export
+from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, FAMILIES, BackboneGeometry, backbone_config, write_served_lm
+from vllm_omni_speechlm.tokenizer import backbone_text_vocab, build_tokenizer, write_hf_tokenizer
 
 # Backbone geometry of the released models (the HF models their `hf_model_tag` names).
 RELEASED_BACKBONES = {
@@ -221,20 +241,114 @@ def convert(
     return layout
 
 
+# ---- Bagpiper: ESPnet's export (espnet_bagpiper.py has the names) ----------------------------
+
+BAGPIPER_TEXT_VOCAB = 151936  # Qwen3's embedding rows: the text range ESPnet keeps
+
+
+def read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise _fail(f"{what} {path}: {e}") from None
+
+
+def qwen3_geometry(backbone: dict[str, Any] | None) -> tuple[BackboneGeometry, int]:
+    """(geometry, text vocabulary size) from the backbone's config.json, or the released
+    Qwen3-8B-Base's."""
+    if backbone is None:
+        return BAGPIPER_8B, BAGPIPER_TEXT_VOCAB
+    if backbone.get("model_type") != "qwen3":
+        raise _fail(f"--backbone-config: model_type {backbone.get('model_type')!r}, Bagpiper's backbone is 'qwen3'")
+    try:
+        heads, hidden = backbone["num_attention_heads"], backbone["hidden_size"]
+        rope = backbone.get("rope_parameters") or {}
+        geo = BackboneGeometry(
+            hidden_size=hidden,
+            intermediate_size=backbone["intermediate_size"],
+            num_hidden_layers=backbone["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=backbone.get("num_key_value_heads", heads),
+            head_dim=backbone.get("head_dim") or hidden // heads,
+            rope_theta=float(rope.get("rope_theta", backbone.get("rope_theta", BAGPIPER_8B.rope_theta))),
+            rms_norm_eps=backbone.get("rms_norm_eps", BAGPIPER_8B.rms_norm_eps),
+            max_position_embeddings=backbone.get("max_position_embeddings", BAGPIPER_8B.max_position_embeddings),
+        )
+        return geo, backbone["vocab_size"]
+    except KeyError as e:
+        raise _fail(f"--backbone-config: no {e.args[0]!r}") from None
+
+
+def load_bagpiper_export(path: str) -> dict[str, torch.Tensor]:
+    """`{"module": state_dict}` as export_checkpoint.py saves it (a bare state dict is accepted)."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if isinstance(state, dict) and isinstance(state.get("module"), dict):
+        state = state["module"]
+    if not isinstance(state, dict) or "lm_head.weight" not in state:
+        raise _fail(f"{path}: no 'lm_head.weight' (not an ESPnet Bagpiper export?)")
+    return state
+
+
+def convert_bagpiper(
+    checkpoint: str,
+    out_dir: str,
+    text_tokenizer: str,
+    backbone_config_path: str | None = None,
+    codec_config_path: str | None = None,
+) -> SpeechLMConfig:
+    """ESPnet's Bagpiper export -> a served directory (the layout: `bagpiper_layout`)."""
+    backbone = read_json(backbone_config_path, "--backbone-config") if backbone_config_path else None
+    geo, text_vocab = qwen3_geometry(backbone)
+    codec_raw = XCodecDecoderConfig().to_xcodec_dict()  # the released geometry
+    if codec_config_path:
+        codec_raw = read_json(codec_config_path, "--codec-config")
+    codec_config = XCodecDecoderConfig.from_dict(codec_raw)
+    layout = bagpiper_layout(text_vocab)
+    weights, codec = split_export(load_bagpiper_export(checkpoint), layout, geo, codec_config)
+    base = Tokenizer.from_file(text_tokenizer)
+    try:
+        vocab, merges = backbone_text_vocab(base, text_vocab)
+    except ValueError as e:
+        raise _fail(f"--text-tokenizer {text_tokenizer}: {e}") from None
+
+    fam = FAMILIES["bagpiper"]
+    config = backbone_config(layout, geo, fam.model_type, fam.arch)
+    config["dtype"] = str(weights["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    write_served_lm(out_dir, config, weights, build_tokenizer(layout, vocab, merges, base=base), layout)
+    write_xcodec_dir(os.path.join(out_dir, layout.codec.path), codec_raw, codec)
+    SpeechLMConfig.from_model_dir(out_dir)  # what the engine will read back
+    return layout
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="speechlm-convert", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", required=True, choices=sorted(RELEASED_BACKBONES))
-    ap.add_argument("--espnet-checkpoint", required=True, help="the experiment's *.pth state dict")
-    ap.add_argument("--config", help="the experiment's config.yaml (default: next to the checkpoint)")
+    ap.add_argument("--family", required=True, choices=["bagpiper", *sorted(RELEASED_BACKBONES)])
+    ap.add_argument("--espnet-checkpoint", required=True,
+                    help="opuslm: the experiment's *.pth state dict; bagpiper: export_checkpoint.py's output")
     ap.add_argument("--text-tokenizer", required=True, help="the backbone's tokenizer.json")
-    ap.add_argument("--codec", required=True, help="a transformers DacModel directory (descript/dac_16khz)")
     ap.add_argument("--backbone-config", help="the backbone's HF config.json (default: the released geometry)")
-    ap.add_argument("--min-audio-frames", type=int, default=50, help="eos is masked before this many frames")
     ap.add_argument("--out", required=True, help="output directory")
+    opus = ap.add_argument_group("opuslm, opuslm-dialogue")
+    opus.add_argument("--config", help="the experiment's config.yaml (default: next to the checkpoint)")
+    opus.add_argument("--codec", help="a transformers DacModel directory (descript/dac_16khz); required")
+    opus.add_argument("--min-audio-frames", type=int, default=50, help="eos is masked before this many frames")
+    bag = ap.add_argument_group("bagpiper")
+    bag.add_argument("--codec-config", help="the X-Codec config.json (hf-audio/xcodec-hubert-general's; "
+                     "default: the released geometry)")
     a = ap.parse_args(argv)
-    layout = convert(
-        a.family, a.espnet_checkpoint, a.out, a.text_tokenizer, a.codec, a.config, a.backbone_config, a.min_audio_frames
-    )
+    try:
+        if a.family == "bagpiper":
+            if a.codec or a.config:
+                ap.error("--codec / --config: opuslm only (Bagpiper's codec is inside its export)")
+            layout = convert_bagpiper(a.espnet_checkpoint, a.out, a.text_tokenizer, a.backbone_config, a.codec_config)
+        else:
+            if not a.codec:
+                ap.error(f"--codec is required for --family {a.family}")
+            layout = convert(a.family, a.espnet_checkpoint, a.out, a.text_tokenizer, a.codec, a.config,
+                             a.backbone_config, a.min_audio_frames)
+    except ValueError as e:
+        ap.exit(2, f"{e}\n")
     print(f"wrote {a.family} checkpoint to {a.out} (vocab {layout.vocab_size}, {layout.num_streams} streams)")
 
 

@@ -1,6 +1,7 @@
 """`speechlm-make-tiny`: write a complete tiny random checkpoint of a model family.
 
     speechlm-make-tiny --family {bagpiper,opuslm,opuslm-dialogue} --out DIR [--seed N]
+    speechlm-make-tiny --family bagpiper --espnet-export --out DIR [--seed N]
 
 The directory is what a real converted checkpoint looks like: `config.json` (backbone fields +
 the `speechlm` section), `model.safetensors` (Hugging Face parameter names plus
@@ -8,6 +9,11 @@ the `speechlm` section), `model.safetensors` (Hugging Face parameter names plus
 X-Codec-architecture decoder for Bagpiper, a DAC one for OpusLM). Same seed, same bytes.
 Geometry: head_dim 32 (vLLM's CPU attention needs >= 32), 2 layers, so engine start dominates
 test time. Backbones: Qwen3 (Bagpiper), OLMo-2 (OpusLM), Llama/SmolLM2 (OpusLM-Dialogue).
+
+Bagpiper's tiny checkpoint is the conversion of a tiny ESPnet export (espnet_bagpiper.py), so it
+also carries a tiny audio tower and adaptor (`audio_tower.*`, `audio_adaptor.*`) that serving
+skips. `--espnet-export` writes that export itself: `model.pth` (`{"module": state_dict}`),
+`backbone/config.json` + `backbone/tokenizer.json` (the tiny Qwen3), `xcodec/config.json`.
 """
 
 from __future__ import annotations
@@ -20,11 +26,26 @@ from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from vllm_omni_speechlm.codec.dac import write_tiny_dac
-from vllm_omni_speechlm.codec.xcodec import write_tiny_xcodec
-from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout, opuslm_layout
-from vllm_omni_speechlm.tokenizer import build_tokenizer, train_text_bpe, write_hf_tokenizer
+from vllm_omni_speechlm.codec.xcodec import TINY_CONFIG as TINY_CODEC
+from vllm_omni_speechlm.codec.xcodec import (
+    random_decoder_state,
+    tiny_xcodec_config,
+    write_tiny_xcodec,
+    write_xcodec_dir,
+)
+from vllm_omni_speechlm.config import (
+    AUDIO_ADAPTOR_PREFIX,
+    AUDIO_TOWER_PREFIX,
+    SPEECHLM_KEY,
+    SpeechLMConfig,
+    bagpiper_layout,
+    opuslm_layout,
+)
+from vllm_omni_speechlm.espnet_bagpiper import export_state, split_export
+from vllm_omni_speechlm.tokenizer import backbone_text_vocab, build_tokenizer, train_text_bpe, write_hf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -194,21 +215,151 @@ def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, spe
     write_hf_tokenizer(build_tokenizer(tiny, text_vocab, merges), tiny, out_dir)
 
 
+def write_served_lm(
+    out_dir: str | os.PathLike,
+    config: dict,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    layout: SpeechLMConfig,
+) -> None:
+    """config.json, model.safetensors and the tokenizer of a served checkpoint (the codec apart)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    write_hf_tokenizer(tokenizer, layout, out_dir)
+
+
 def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechLMConfig:
     """Write the tiny checkpoint; returns its layout."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    if family == "bagpiper":
+        return _make_tiny_bagpiper(out_dir, seed)
     fam = FAMILIES[family]
     text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
     layout = fam.layout(len(text_vocab))
     geo = BackboneGeometry(rope_theta=fam.rope_theta, rms_norm_eps=fam.rms_norm_eps)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(backbone_config(layout, geo, fam.model_type, fam.arch), f, indent=2, sort_keys=True)
+    config = backbone_config(layout, geo, fam.model_type, fam.arch)
     weights = random_weights(layout, geo, seed, fam.model_type)
-    save_file(weights, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
-    write_hf_tokenizer(build_tokenizer(layout, text_vocab, merges), layout, out_dir)
+    write_served_lm(out_dir, config, weights, build_tokenizer(layout, text_vocab, merges), layout)
     fam.write_codec(os.path.join(out_dir, layout.codec.path), seed)
+    return layout
+
+
+# ---- Bagpiper: the tiny checkpoint is what `speechlm-convert` makes of the tiny ESPnet export ----
+
+# A Qwen3-Omni audio encoder (transformers' Qwen3OmniMoeAudioEncoderConfig fields) small enough to
+# build in milliseconds; 128 mel bins as released. Its output width feeds the adaptor.
+TINY_AUDIO_TOWER = dict(
+    d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, downsample_hidden_size=8, output_dim=24
+)
+# Files of a tiny export: ESPnet's state dict, and what ESPnet reads from the hub by name.
+EXPORT_CHECKPOINT = "model.pth"
+EXPORT_BACKBONE = "backbone"  # the Qwen3 directory `model_hf_tag` names: config.json, tokenizer.json
+EXPORT_CODEC_CONFIG = os.path.join("xcodec", "config.json")  # hf-audio/xcodec-hubert-general's
+
+
+def _meta_shapes(build: Callable[[], torch.nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    with torch.device("meta"):
+        return {k: (tuple(v.shape), v.dtype) for k, v in build().state_dict().items()}
+
+
+def _random_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int) -> dict[str, torch.Tensor]:
+    """Small random values in a fixed (sorted) draw order: same seed, same tensors."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key in sorted(shapes):
+        shape, dtype = shapes[key]
+        t = torch.randn(shape, generator=g) * 0.05
+        out[key] = t.to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+    return out
+
+
+def tiny_audio_input(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random audio tower + adaptor under their served names (only carried, never run here)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    config = Qwen3OmniMoeAudioEncoderConfig(**TINY_AUDIO_TOWER)
+    shapes = {AUDIO_TOWER_PREFIX + k: v for k, v in _meta_shapes(lambda: Qwen3OmniMoeAudioEncoder(config)).items()}
+    shapes |= {
+        AUDIO_ADAPTOR_PREFIX + "weight": ((hidden_size, config.output_dim), torch.float32),
+        AUDIO_ADAPTOR_PREFIX + "bias": ((hidden_size,), torch.float32),
+    }
+    return _random_tensors(shapes, seed + 1)  # its own draws: the LM's stay those of random_weights
+
+
+def tiny_xcodec_model_state(seed: int) -> dict[str, torch.Tensor]:
+    """A whole transformers XcodecModel state dict of the tiny geometry: the decoder's tensors are
+    the tiny codec's (`random_decoder_state`), the encode-only parts random."""
+    from transformers import XcodecConfig, XcodecModel
+
+    config = XcodecConfig(**tiny_xcodec_config())
+    decoder = random_decoder_state(TINY_CODEC, seed)
+    rest = {k: v for k, v in _meta_shapes(lambda: XcodecModel(config)).items() if k not in decoder}
+    return _random_tensors(rest, seed + 2) | decoder
+
+
+def tiny_text_tokenizer() -> Tokenizer:
+    """The tiny backbone's own tokenizer.json: a byte-level BPE over text ids from 0."""
+    text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
+    tok = Tokenizer(models.BPE(vocab=text_vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tiny_qwen3_config(geo: BackboneGeometry, text_vocab_size: int) -> dict:
+    """The tiny backbone's own config.json (a Qwen3ForCausalLM over the text vocabulary only)."""
+    layout = bagpiper_layout(text_vocab_size)
+    config = backbone_config(layout, geo, "qwen3", "Qwen3ForCausalLM")
+    for key in (SPEECHLM_KEY, "bos_token_id", "eos_token_id", "pad_token_id"):
+        del config[key]  # the unified vocabulary's, not the text model's
+    return config | {"vocab_size": text_vocab_size}
+
+
+def tiny_bagpiper_parts(seed: int) -> tuple[SpeechLMConfig, BackboneGeometry, dict[str, torch.Tensor]]:
+    """(layout, geometry, ESPnet export state dict) of the tiny Bagpiper of `seed`."""
+    fam = FAMILIES["bagpiper"]
+    layout = fam.layout(TINY_TEXT_VOCAB)
+    geo = BackboneGeometry(rope_theta=fam.rope_theta, rms_norm_eps=fam.rms_norm_eps)
+    weights = random_weights(layout, geo, seed, fam.model_type) | tiny_audio_input(geo.hidden_size, seed)
+    return layout, geo, export_state(weights, tiny_xcodec_model_state(seed))
+
+
+def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, str]:
+    """A tiny Bagpiper export as ESPnet writes it (`{"module": state_dict}`, ESPnet's names) plus
+    the backbone's config.json / tokenizer.json and the X-Codec config; returns their paths."""
+    layout, geo, state = tiny_bagpiper_parts(seed)
+    paths = {
+        "checkpoint": os.path.join(out_dir, EXPORT_CHECKPOINT),
+        "backbone_config": os.path.join(out_dir, EXPORT_BACKBONE, "config.json"),
+        "text_tokenizer": os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer.json"),
+        "codec_config": os.path.join(out_dir, EXPORT_CODEC_CONFIG),
+    }
+    for path in paths.values():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"module": state}, paths["checkpoint"])
+    with open(paths["backbone_config"], "w") as f:
+        json.dump(tiny_qwen3_config(geo, layout.text_range[1] - layout.text_range[0]), f, indent=2, sort_keys=True)
+    tiny_text_tokenizer().save(paths["text_tokenizer"])
+    with open(paths["codec_config"], "w") as f:
+        json.dump(tiny_xcodec_config(), f, indent=2, sort_keys=True)
+    return paths
+
+
+def _make_tiny_bagpiper(out_dir: str | os.PathLike, seed: int) -> SpeechLMConfig:
+    """The tiny export's tensors mapped as `speechlm-convert --family bagpiper` maps them (a test
+    converts the written export and compares the directories byte for byte)."""
+    layout, geo, state = tiny_bagpiper_parts(seed)
+    weights, codec = split_export(state, layout, geo, TINY_CODEC)
+    fam = FAMILIES["bagpiper"]
+    text_tok = tiny_text_tokenizer()
+    vocab, merges = backbone_text_vocab(text_tok, TINY_TEXT_VOCAB)
+    tokenizer = build_tokenizer(layout, vocab, merges, base=text_tok)
+    write_served_lm(out_dir, backbone_config(layout, geo, fam.model_type, fam.arch), weights, tokenizer, layout)
+    write_xcodec_dir(os.path.join(out_dir, layout.codec.path), tiny_xcodec_config(), codec)
     return layout
 
 
@@ -217,7 +368,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--family", required=True, choices=sorted(FAMILIES))
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--espnet-export", action="store_true",
+                    help="bagpiper: write ESPnet's export format instead (the input of speechlm-convert)")
     args = ap.parse_args(argv)
+    if args.espnet_export:
+        if args.family != "bagpiper":
+            ap.error("--espnet-export: only --family bagpiper")
+        write_tiny_bagpiper_export(args.out, args.seed)
+        print(f"wrote a tiny ESPnet Bagpiper export to {args.out}")
+        return
     layout = make_tiny(args.family, args.out, args.seed)
     print(f"wrote tiny {args.family} checkpoint to {args.out} (vocab {layout.vocab_size}, {layout.num_streams} streams)")
 

@@ -75,8 +75,12 @@ def train_text_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str
     return model["vocab"], merges
 
 
-def build_tokenizer(cfg: SpeechLMConfig, text_vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
-    """A tokenizer whose ids are the unified vocabulary's ids."""
+def build_tokenizer(
+    cfg: SpeechLMConfig, text_vocab: dict[str, int], merges: list[tuple[str, str]], base: Tokenizer | None = None
+) -> Tokenizer:
+    """A tokenizer whose ids are the unified vocabulary's ids. `base` (the backbone's own
+    tokenizer) gives the normalizer, pre-tokenizer and decoder, so text splits as the backbone's
+    does (Qwen's pre-tokenizer is not GPT-2's); default: plain byte-level."""
     lo, hi = cfg.text_range
     if len(text_vocab) != hi - lo:
         raise ValueError(f"text_range: {hi - lo} ids, but the text vocabulary has {len(text_vocab)}")
@@ -85,8 +89,33 @@ def build_tokenizer(cfg: SpeechLMConfig, text_vocab: dict[str, int], merges: lis
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    if base is not None:
+        tok.pre_tokenizer, tok.decoder = base.pre_tokenizer, base.decoder
+        if base.normalizer is not None:
+            tok.normalizer = base.normalizer
     tok.add_special_tokens([specials[i] for i in sorted(specials)])
     return tok
+
+
+def backbone_text_vocab(tokenizer: Tokenizer, size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab over exactly `size` text ids, merges) of a backbone's byte-level BPE tokenizer.
+
+    The backbone's embedding may have more rows than its tokenizer has tokens (Qwen3: 151936 rows,
+    151669 tokens). Its added tokens (Qwen's `<|endoftext|>`, `<|im_start|>`, ...) keep their ids
+    as plain text entries, and every id no token uses gets `<|text_unused_{id}|>`, so the unified
+    tokenizer covers the whole text range."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"text tokenizer: expected a BPE model, got {model.get('type')}")
+    vocab = dict(model["vocab"]) | {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    top = max(vocab.values(), default=-1)
+    if top >= size or len(set(vocab.values())) != len(vocab):
+        raise ValueError(f"text tokenizer: ids up to {top} ({len(vocab)} tokens) do not fit the {size} text ids")
+    used = set(vocab.values())
+    vocab |= {f"<|text_unused_{i}|>": i for i in range(size) if i not in used}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return vocab, merges
 
 
 def write_hf_tokenizer(tok: Tokenizer, cfg: SpeechLMConfig, out_dir: str | os.PathLike) -> None:

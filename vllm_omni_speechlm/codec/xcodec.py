@@ -527,9 +527,9 @@ def load_decoder_weights(model: nn.Module, weights: str, codec: str, dtype: torc
     raw: dict[str, torch.Tensor] = {}
     with safe_open(weights, framework="pt", device="cpu") as f:
         for key in f.keys():
-            if _decoder_source_key(key) in expected:
+            if decoder_source_key(key) in expected:
                 raw[key] = f.get_tensor(key)
-    state = _fold_weight_norm(raw)
+    state = fold_weight_norm(raw)
 
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -554,7 +554,7 @@ _WEIGHT_NORM_SUFFIXES = {
 }
 
 
-def _decoder_source_key(key: str) -> str:
+def decoder_source_key(key: str) -> str:
     """Map a checkpoint key to the decoder key it feeds (weight-norm halves -> `.weight`)."""
     for suffix in _WEIGHT_NORM_SUFFIXES:
         if key.endswith(suffix):
@@ -562,7 +562,7 @@ def _decoder_source_key(key: str) -> str:
     return key
 
 
-def _fold_weight_norm(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fold_weight_norm(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """weight = g * v / ||v|| (norm over all dims but 0: torch's weight_norm default, which the
     original X-Codec/DAC checkpoints used for Conv1d and ConvTranspose1d alike)."""
     state: dict[str, torch.Tensor] = {}
@@ -636,14 +636,20 @@ def write_random_xcodec(
     """Write a random decoder checkpoint of geometry `config` to `out_dir` (config.json in
     XcodecConfig's format + model.safetensors with the decoder's tensors only). Same seed ->
     byte-identical files. `XCodecDecoderConfig()` is the released X-Codec geometry (benchmarks)."""
+    write_xcodec_dir(out_dir, config.to_xcodec_dict(**xcodec_dict_kwargs), random_decoder_state(config, seed))
+
+
+def write_xcodec_dir(out_dir: str | os.PathLike, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """A codec directory `XCodecDecoder.from_pretrained` reads: `config` (an XcodecConfig dict) as
+    config.json, `state` (decoder tensors) as model.safetensors. Same inputs -> same bytes."""
     from safetensors.torch import save_file
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(config.to_xcodec_dict(**xcodec_dict_kwargs), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file(random_decoder_state(config, seed), os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(state, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def write_tiny_xcodec(out_dir: str | os.PathLike, seed: int) -> None:
@@ -653,9 +659,12 @@ def write_tiny_xcodec(out_dir: str | os.PathLike, seed: int) -> None:
     XcodecConfig's format (transformers' XcodecModel can be built from it; the tiny HuBERT in it
     is never run by us). The weights are the decoder's only. Same seed -> byte-identical files.
     """
-    write_random_xcodec(
-        out_dir, TINY_CONFIG, seed, semantic_model_config=_TINY_SEMANTIC_MODEL_CONFIG, encoder_hidden_size=4
-    )
+    write_xcodec_dir(out_dir, tiny_xcodec_config(), random_decoder_state(TINY_CONFIG, seed))
+
+
+def tiny_xcodec_config() -> dict[str, Any]:
+    """The tiny geometry as an XcodecConfig dict (what the tiny codec's config.json holds)."""
+    return TINY_CONFIG.to_xcodec_dict(semantic_model_config=_TINY_SEMANTIC_MODEL_CONFIG, encoder_hidden_size=4)
 
 
 @torch.no_grad()
@@ -687,6 +696,8 @@ __all__ = [
     "XCodecDecoder",
     "write_tiny_xcodec",
     "write_random_xcodec",
+    "write_xcodec_dir",
+    "tiny_xcodec_config",
     "random_decoder_state",
     "measure_receptive_field",
     "TINY_CONFIG",

@@ -18,9 +18,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
 from vllm_omni_speechlm.frames import CODES_KEY
 from vllm_omni_speechlm.models.steps import SpeechLMSteps
 
@@ -39,6 +39,9 @@ class SpeechLMForCausalLM(nn.Module):
     omni_client_multimodal_output_keys = (CODES_KEY,)
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    # Audio input is not served yet: a checkpoint's audio encoder and adaptor are dropped here, by
+    # name (any other unknown weight still fails the load).
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=dict.fromkeys(AUDIO_INPUT_PREFIXES))
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -104,7 +107,7 @@ class SpeechLMForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights)
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
     # ---- vllm-omni runner hooks: each step is `SpeechLMSteps`' -------------------------------
     def prepare_runner_inputs(

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.cfg import merge_guided, unconditional_prompt
 from vllm_omni_speechlm.codec import load_codec_decoder
-from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
@@ -66,6 +66,8 @@ class ReferenceSpeechLM:
         self.device, self.dtype = torch.device(device), dtype
         self.backbone = DecoderBackbone(BackboneConfig.from_json(raw))
         weights = load_file(os.path.join(model_dir, "model.safetensors"))
+        # Audio input is not modelled: its encoder and adaptor are skipped by name, as the engine does.
+        weights = {k: v for k, v in weights.items() if not k.startswith(AUDIO_INPUT_PREFIXES)}
         self.lm_head = weights.pop("lm_head.weight").to(device, dtype)  # [V, H]
         self.stream_emb = weights.pop("stream_embeddings.weight").to(device, dtype)  # [S, H]
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
