@@ -124,7 +124,7 @@ stages:
 
 def use_selftest_pipelines() -> None:
     """Register devtools' self-test pipelines here and in every engine process this one starts."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # devtools
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # devtools, after the installed package
     from devtools import selftest_pipelines
     from vllm_omni_speechlm import plugin
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # devtools
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # devtools
 from streaming_latency import GPU_SHARE, device_name, write_checkpoint, write_deploy  # noqa: E402
 
 from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402

@@ -146,12 +146,13 @@ def _pipelines() -> list[Any]:
 
 def enable() -> None:
     """Have the project's plugin register these pipelines in every process started from here on
-    (their PYTHONPATH gets the repository root, which holds `devtools`)."""
+    (their PYTHONPATH gets the repository root, which holds `devtools`, after the installed
+    package's place)."""
     from vllm_omni_speechlm.plugin import EXTRA_PLUGIN_ENV
 
     root = str(Path(__file__).resolve().parents[1])
     os.environ[EXTRA_PLUGIN_ENV] = __name__
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
 
 
 def register() -> None:

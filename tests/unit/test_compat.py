@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,26 @@ def test_sampler_kernels_leave_the_jit_warmup_and_the_rest_stays():
     assert sorted(compat.drop_sampler_jit_warmup(runner)) == ["_topk_topp", "_topp_split_stats"]
     assert list(compat.jit_warmup_kernels(runner)) == [_COMPUTE_SLOT_MAPPING_KERNEL]
     assert compat.drop_sampler_jit_warmup(runner) == []
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_stage_workers_build_vllms_sampler_without_flashinfer(monkeypatch, preset):
+    """The stage workers set VLLM_USE_FLASHINFER_SAMPLER=0 before vLLM's worker builds its sampler
+    (so its profiling run builds no FlashInfer sampling kernels); a user's own setting stays."""
+    from vllm_omni_speechlm.stage0.runner import SamplerFreeWarmupMixin
+
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", preset)
+
+    class Worker:
+        def __init__(self):
+            self.seen = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")
+
+    class StageWorker(SamplerFreeWarmupMixin, Worker):
+        pass
+
+    assert StageWorker().seen == (preset or "0")
 
 
 def test_a_runner_without_a_registry_has_nothing_to_drop():

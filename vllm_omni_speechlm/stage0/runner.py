@@ -27,6 +27,8 @@ launches.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,6 +134,13 @@ class SamplerFreeWarmupMixin:
     vLLM's sampler temperature only (the model applies its own per-modality top-k), the codec
     stage samples nothing. vLLM's JIT warm-up compiles the rest of its list (slot mapping,
     attention), so the first request still compiles nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM's profiling run samples once with top-k / top-p; through FlashInfer that builds its
+        # sampling kernels first (minutes on a fresh host) for a path these stages never take.
+        # Temperature-only sampling does not go through FlashInfer either way.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        super().__init__(*args, **kwargs)
 
     def compile_or_warm_up_model(self) -> Any:
         dropped = drop_sampler_jit_warmup(self.model_runner)
