@@ -142,6 +142,9 @@ HOOKS = (
     # API server (serving/)
     Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced routes: dispatch_route
     Hook("vllm_omni.entrypoints.openai.api_server", "args", "attribute"),  # app.state.args: served_deploy_config
+    Hook("vllm_omni.entrypoints.openai.audio_utils_mixin:AudioMixin", "_resample_audio", "override",
+         "audio_tensor, source_rate, target_rate"),  # whole_answers_resampled_as_streams
+    Hook("vllm_omni.utils.audio_resample:StreamingAudioResampler", "process", "call", "self, audio, *, final=False"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_supported_speakers", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_codec_frame_rate", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "validate", "override", "self, request"),
@@ -293,6 +296,21 @@ def dispatch_route(path: str, serves: Callable[[Any], bool], handler: Callable[[
     endpoint._speechlm_dispatch = True  # type: ignore[attr-defined]
     del routes[index]
     api_server.router.add_api_route(path, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses)
+
+
+def whole_answers_resampled_as_streams(serving_speech: Any) -> None:
+    """Make vllm-omni's speech handler resample a whole answer with the resampler it streams with.
+    It resamples a stream with its chunk-invariant polyphase filter and a whole answer with
+    torchaudio's, so the two differ; with one filter, a stream is the whole answer's samples.
+    The handler serves one model: this server's speech LM. Idempotent."""
+    from vllm_omni.utils.audio_resample import StreamingAudioResampler
+
+    def resample(audio_tensor: Any, source_rate: int, target_rate: int) -> Any:
+        if source_rate == target_rate:
+            return audio_tensor
+        return StreamingAudioResampler(source_rate, target_rate).process(audio_tensor, final=True)
+
+    serving_speech._resample_audio = resample
 
 
 # ---- JIT warm-up ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ turns one request into the engine request:
   fields, so this module's route (`create_speech`) reads them from the raw body and moves them
   into `extra_params`; any other unknown field is an error.
 - `initial_codec_chunk_frames`: this request's first streaming window (faster first audio)
-- `sample_rate`: any of OUTPUT_SAMPLE_RATES (vllm-omni resamples, streamed or not)
+- `sample_rate`: any of OUTPUT_SAMPLE_RATES (vllm-omni resamples; a whole answer with the filter it
+  streams with, so both carry the same samples)
 
 Every field this model does not support (voices, reference audio, speed, ...) is rejected with a
 message naming it (vllm-omni answers HTTP 400), never silently ignored.
@@ -29,7 +30,7 @@ from pydantic import AliasChoices
 from vllm_omni.entrypoints.openai.tts_adapters import TTS_ADAPTER_REGISTRY, register_tts_adapter
 from vllm_omni.entrypoints.openai.tts_adapters.base import ARTTSAdapter, PreparedRequest
 
-from vllm_omni_speechlm.compat import dispatch_route
+from vllm_omni_speechlm.compat import dispatch_route, whole_answers_resampled_as_streams
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -166,6 +167,7 @@ async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
         request = with_top_level_options(request, await raw_request.json())
     except ValueError as e:
         return options.bad_request(str(e))
+    whole_answers_resampled_as_streams(raw_request.app.state.openai_serving_speech)
     return await admitted(raw_request, lambda: stock(request, raw_request))
 
 
