@@ -1,0 +1,255 @@
+"""Real-time speech over HTTP: N listeners streaming `/v1/audio/speech` at once, next to the plain
+text LM of the same backbone decoding N completions at once.
+
+    python benchmarks/serve_load.py --out results.json                  # GPU host: 8B geometry
+    python benchmarks/serve_load.py --tiny --out /tmp/serve_load.json   # CPU, the tiny checkpoint
+
+Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy`
+for another one), with dummy weights as the only change. The checkpoint (Bagpiper layout at
+Qwen3-8B geometry, a random X-Codec decoder of the released geometry) masks eos for its first
+--gen-len audio frames, so every answer is --gen-len frames long. At each concurrency level N
+clients post at once, each streaming one audio-only answer (raw PCM, or SSE with `--format
+sse`), and the client times every chunk. Per level:
+    first audio   request sent -> first audio bytes: p50 / p90 / max
+    stall         a listener starts playing at the first byte (and, the second figure, 200 ms
+                  later) and plays in real time; a stall is time it has nothing to play
+    stall-free    share of answers with no stall (under 1 ms in all)
+    rtf           answer's wall time / its audio seconds (mean)
+    audio s / s   all audio received / the level's wall time
+    errors, answers without audio
+Text: vLLM's OpenAI server on the backbone alone (same geometry, dummy weights), N streamed
+completions of --gen-len tokens at once (`ignore_eos`); per request decode tok/s = (tokens - 1) /
+(last token - first token). The two servers run one after the other in one invocation. The JSON
+is rewritten after every level, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # devtools
+from streaming_latency import DELAY_STEPS, SAMPLE_RATE, _pct, device_name, write_checkpoint  # noqa: E402
+
+from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
+
+PROMPT = "Tell me about the sea."
+BUFFER_S = 0.2
+STALL_FREE_S = 1e-3
+
+
+# ---- files --------------------------------------------------------------------------------
+
+
+def speech_checkpoint(root: Path, tiny: bool, frames: int) -> str:
+    """The benchmark checkpoint, its eos masked for the first `frames` audio frames."""
+    model_dir = write_checkpoint(str(root), tiny)
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    config["speechlm"]["decoding"]["min_audio_frames"] = frames
+    path.write_text(json.dumps(config, indent=2))
+    return model_dir
+
+
+def dummy_weights_deploy(name: str, out: Path) -> str:
+    """The shipped deploy YAML `name`, its stages loading dummy weights."""
+    from vllm_omni_speechlm import stage_configs
+
+    deploy = yaml.safe_load(Path(stage_configs.path(name)).read_text())
+    for stage in deploy["stages"]:
+        stage["load_format"] = "dummy"
+    out.write_text(yaml.safe_dump(deploy, sort_keys=False))
+    return str(out)
+
+
+# ---- one listener -------------------------------------------------------------------------
+
+
+def stall_s(chunks: list[tuple[float, float]], buffer_s: float) -> float:
+    """Seconds a listener has nothing to play. `chunks`: (arrival time, audio seconds) in order;
+    playback starts `buffer_s` after the first chunk and pauses whenever it runs dry."""
+    stalled, plays_until = 0.0, chunks[0][0] + buffer_s if chunks else 0.0
+    for at, seconds in chunks:
+        if at > plays_until:
+            stalled += at - plays_until
+            plays_until = at
+        plays_until += seconds
+    return stalled
+
+
+def _sse_audio(line: str) -> bytes:
+    if not line.startswith("data: "):
+        return b""
+    event = json.loads(line[6:])
+    if event.get("type") == "error" or "error" in event:
+        raise RuntimeError(f"SSE error event: {line[:300]}")
+    return base64.b64decode(event["audio"]) if event.get("type") == "speech.audio.delta" else b""
+
+
+async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
+    """One streamed answer, timed at the client: (arrival, audio seconds) per chunk."""
+    sent, chunks = time.perf_counter(), []
+    try:
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"}
+            pieces = r.aiter_lines() if sse else r.aiter_bytes()
+            async for piece in pieces:
+                audio = _sse_audio(piece) if sse else piece
+                if audio:
+                    chunks.append((time.perf_counter() - sent, len(audio) / 2 / SAMPLE_RATE))
+    except (httpx.HTTPError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    wall = time.perf_counter() - sent
+    audio_s = sum(seconds for _, seconds in chunks)
+    return {
+        "first_audio_s": chunks[0][0] if chunks else None,
+        "audio_s": audio_s,
+        "wall_s": wall,
+        "stall_s": stall_s(chunks, 0.0),
+        "stall_buffered_s": stall_s(chunks, BUFFER_S),
+        "chunks": len(chunks),
+    }
+
+
+def speech_summary(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    heard = [r for r in ok if r["audio_s"] > 0]
+    first = [r["first_audio_s"] for r in heard]
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_samples": [r["error"] for r in results if "error" in r][:3],
+        "without_audio": len(ok) - len(heard),
+        "first_audio_p50_s": _pct(first, 0.5),
+        "first_audio_p90_s": _pct(first, 0.9),
+        "first_audio_max_s": max(first, default=None),
+        "stall_free": sum(r["stall_s"] < STALL_FREE_S for r in heard) / len(results) if results else None,
+        "stall_free_buffered": sum(r["stall_buffered_s"] < STALL_FREE_S for r in heard) / len(results) if results else None,
+        "stall_p50_s": _pct([r["stall_s"] for r in heard], 0.5),
+        "stall_p90_s": _pct([r["stall_s"] for r in heard], 0.9),
+        "stall_buffered_p90_s": _pct([r["stall_buffered_s"] for r in heard], 0.9),
+        "rtf_mean": statistics.fmean(r["wall_s"] / r["audio_s"] for r in heard) if heard else None,
+        "audio_s_per_request": statistics.fmean(r["audio_s"] for r in heard) if heard else 0.0,
+        "audio_s_per_wall_s": sum(r["audio_s"] for r in heard) / wall,
+        "wall_s": wall,
+    }
+
+
+# ---- one text completion ------------------------------------------------------------------
+
+
+async def complete(client: httpx.AsyncClient, model: str, tokens: int, seed: int) -> dict:
+    body = {"model": model, "prompt": [1000 + (seed * 7 + i) % 5000 for i in range(64)], "max_tokens": tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0.8, "seed": seed}
+    sent, times = time.perf_counter(), []
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.perf_counter() - sent)
+    except httpx.HTTPError as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+    return {"first_token_s": times[0] if times else None, "tokens": len(times), "decode_tok_s": decode}
+
+
+def text_summary(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r and r["decode_tok_s"]]
+    rates = [r["decode_tok_s"] for r in ok]
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "decode_tok_s_per_request_p50": _pct(rates, 0.5),
+        "decode_tok_s_per_request_p10": _pct(rates, 0.1),
+        "first_token_p50_s": _pct([r["first_token_s"] for r in ok], 0.5),
+        "tokens_per_wall_s": sum(r["tokens"] for r in ok) / wall,
+        "wall_s": wall,
+    }
+
+
+# ---- levels -------------------------------------------------------------------------------
+
+
+async def run_level(url: str, n: int, request, summary) -> dict:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(request(client, i) for i in range(n)))
+        return summary(results, time.perf_counter() - start)
+
+
+def measure(server: VllmServer, levels: list[int], request, summary, report: dict, key: str, save) -> None:
+    server.wait_ready()
+    asyncio.run(run_level(server.url, 2, request, summary))  # warm: the first requests' one-time costs
+    for n in levels:
+        report[key][str(n)] = stats = asyncio.run(run_level(server.url, n, request, summary))
+        save()
+        print(key, n, json.dumps({k: v for k, v in stats.items() if k != "error_samples"}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint on CPU")
+    ap.add_argument("--concurrency", type=int, nargs="+", help="default 1 16 64 128 192 256 (--tiny: 1 4)")
+    ap.add_argument("--gen-len", type=int, help="audio frames per answer, tokens per completion (default 300; --tiny 60)")
+    ap.add_argument("--format", choices=["pcm", "sse"], default="pcm", help="raw PCM stream or SSE events")
+    ap.add_argument("--deploy", help="the shipped deploy YAML (default bagpiper_streaming[_cpu_tiny].yaml)")
+    ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
+    ap.add_argument("--workdir", help="checkpoints and server logs (default: a temporary folder)")
+    args = ap.parse_args()
+    levels = args.concurrency or ([1, 4] if args.tiny else [1, 16, 64, 128, 192, 256])
+    frames = args.gen_len or (60 if args.tiny else 300)
+    deploy_name = args.deploy or ("bagpiper_streaming_cpu_tiny.yaml" if args.tiny else "bagpiper_streaming.yaml")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="serve-load-"))
+
+    import torch
+    import vllm
+    import vllm_omni
+
+    report = {
+        "benchmark": "serve_load", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
+        "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploy_name,
+                                  "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S},
+        "speech": {}, "text": {},
+    }
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+    if "speech" in args.engines:
+        model_dir = speech_checkpoint(work / "ckpt", args.tiny, frames)
+        deploy = dummy_weights_deploy(deploy_name, work / deploy_name)
+        body = {"input": PROMPT, "response_format": "pcm", "max_new_tokens": frames + DELAY_STEPS + 1}
+        body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
+        with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], work / "speech.log", entrypoint=VLLM_SERVE) as server:
+            measure(server, levels, lambda c, i: listen(c, body | {"seed": i}, args.format == "sse"), speech_summary,
+                    report, "speech", save)
+    if "text" in args.engines:
+        from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
+
+        text_dir = str(work / "ckpt" / "text")
+        write_geometry_config(text_dir, BackboneGeometry() if args.tiny else BAGPIPER_8B, speech=False)
+        extra = ["--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", str(max(levels))]
+        extra += ["--dtype", "float32", "--enforce-eager"] if args.tiny else []
+        with VllmServer(text_dir, extra, work / "text.log", entrypoint=OPENAI_SERVER) as server:
+            measure(server, levels, lambda c, i: complete(c, text_dir, frames, i), text_summary, report, "text", save)
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""`benchmarks/serve_load.py`: the listener model, and a `--tiny` run of both servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "chunks, buffer_s, stalled",
+    [
+        ([(1.0, 0.5), (1.4, 0.5), (1.9, 0.5)], 0.0, 0.0),  # each chunk before the last one plays out
+        ([(1.0, 0.5), (2.0, 0.5)], 0.0, 0.5),  # dry from 1.5 to 2.0
+        ([(1.0, 0.5), (2.0, 0.5)], 0.5, 0.0),  # a 0.5 s buffer covers it
+        ([(1.0, 0.1), (1.05, 0.1), (2.0, 0.1), (3.0, 0.1)], 0.2, 0.6 + 0.9),  # plays 1.2-1.4, dry to 2.0, plays to 2.1, dry to 3.0
+        ([], 0.0, 0.0),
+    ],
+)
+def test_a_listener_stalls_when_its_audio_plays_out_before_the_next_chunk(chunks, buffer_s, stalled):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import stall_s
+
+    assert stall_s(chunks, buffer_s) == pytest.approx(stalled)
+
+
+def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path):
+    out = tmp_path / "serve_load.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--tiny", "--out", str(out),
+           "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30"]
+    done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    speech, text = report["speech"]["2"], report["text"]["2"]
+    assert speech["errors"] == speech["without_audio"] == 0, speech
+    assert speech["audio_s_per_request"] >= report["settings"]["audio_s_per_answer"]  # eos was masked that long
+    assert 0 < speech["first_audio_p50_s"] <= speech["first_audio_max_s"] and speech["rtf_mean"] > 0
+    assert 0.0 <= speech["stall_free"] <= speech["stall_free_buffered"] <= 1.0
+    assert text["errors"] == 0 and text["decode_tok_s_per_request_p50"] > 0
