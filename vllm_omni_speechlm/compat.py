@@ -352,7 +352,7 @@ def drop_sampler_jit_warmup(model_runner: Any) -> list[str]:
 PARALLEL_STAGE_INIT_KEY = "parallel_stage_init"
 
 
-def parallel_stage_init_of(deploy: dict[str, Any], path: str) -> bool | None:
+def parallel_stage_init_of(deploy: dict[str, Any], path: str | None) -> bool | None:
     """`parallel_stage_init` of a loaded deploy YAML (None: not set); a non-bool is an error."""
     value = deploy.get(PARALLEL_STAGE_INIT_KEY)
     if value is not None and not isinstance(value, bool):
@@ -360,21 +360,26 @@ def parallel_stage_init_of(deploy: dict[str, Any], path: str) -> bool | None:
     return value
 
 
-def deploy_parallel_stage_init(path: str | None) -> bool | None:
-    """The deploy YAML's `parallel_stage_init` (None: not set, or no YAML)."""
+def _deploy_top_level(path: str | None) -> dict[str, Any]:
+    """A deploy YAML's top level ({} without a YAML)."""
     if not path:
-        return None
+        return {}
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        return parallel_stage_init_of(yaml.safe_load(f) or {}, path)
+        return yaml.safe_load(f) or {}
+
+
+def deploy_parallel_stage_init(path: str | None) -> bool | None:
+    """The deploy YAML's `parallel_stage_init` (None: not set, or no YAML)."""
+    return parallel_stage_init_of(_deploy_top_level(path), path)
 
 
 # The deploy YAML's top-level bound on the requests the API server holds (serving/admission.py).
 MAX_PENDING_KEY = "max_pending_requests"
 
 
-def max_pending_of(deploy: dict[str, Any], path: str) -> int | None:
+def max_pending_of(deploy: dict[str, Any], path: str | None) -> int | None:
     """`max_pending_requests` of a loaded deploy YAML (None: no bound); not a positive int: an error."""
     value = deploy.get(MAX_PENDING_KEY)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -384,12 +389,7 @@ def max_pending_of(deploy: dict[str, Any], path: str) -> int | None:
 
 def deploy_max_pending(path: str | None) -> int | None:
     """The deploy YAML's `max_pending_requests` (None: not set, or no YAML)."""
-    if not path:
-        return None
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        return max_pending_of(yaml.safe_load(f) or {}, path)
+    return max_pending_of(_deploy_top_level(path), path)
 
 
 def served_deploy_config(app: Any) -> str | None:
