@@ -49,6 +49,13 @@ def lm_head_shards(lm_head) -> list[VocabShard]:
     return vocab_shards(lm_head.org_vocab_size, lm_head.tp_size, lm_head.padding_size)
 
 
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's TP all-gather along the last dimension (rank order)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x, dim=-1)
+
+
 @dataclass(frozen=True)
 class AuxShardPlan:
     """What one rank projects and where each aux logit sits after the all-gather."""
@@ -84,6 +91,13 @@ def aux_shard_plan(shards: list[VocabShard], rank: int, lo: int, width: int, num
     block = ids.sub(lo).div(width, rounding_mode="floor") - first_of_owner
     pick = (owner * blocks + block) * width + ids.sub(lo) % width
     return AuxShardPlan(width, streams, rows, pick)
+
+
+def lm_head_aux_plan(lm_head, lo: int, width: int, num_aux: int) -> AuxShardPlan | None:
+    """This rank's plan for a built `ParallelLMHead`; None with one rank (a view of its rows)."""
+    if lm_head.tp_size == 1:
+        return None
+    return aux_shard_plan(lm_head_shards(lm_head), lm_head.tp_rank, lo, width, num_aux)
 
 
 def aux_logits_unsharded(hidden: torch.Tensor, aux_embeddings: torch.Tensor, aux_weight: torch.Tensor) -> torch.Tensor:
