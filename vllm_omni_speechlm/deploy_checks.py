@@ -157,10 +157,25 @@ def stage_devices_of(stage: dict, where: str, visible: int | None = None) -> lis
 
 
 def visible_gpus() -> int | None:
-    """GPUs this process sees; None without CUDA (CPU platform: `devices` is not used)."""
-    import torch
+    """GPUs this process sees (within CUDA_VISIBLE_DEVICES); None off CUDA (the CPU platform does
+    not use `devices`). vLLM's count, which creates no CUDA context before the stages start."""
+    from vllm.platforms import current_platform
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else None
+    return current_platform.device_count() if current_platform.is_cuda() else None
+
+
+def check_deploy_devices(path: str | None, visible: int | None = -1) -> None:
+    """Every stage's `devices` in the deploy YAML at `path` (none: nothing to check); `visible` as
+    in `DeployPlan.from_yaml`."""
+    if not path:
+        return
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        deploy = yaml.safe_load(f) or {}
+    visible = visible_gpus() if visible == -1 else visible
+    for i, stage in enumerate(deploy.get("stages") or []):
+        stage_devices_of(stage or {}, f"deploy config {path}: stages[{i}]", visible)
 
 
 @dataclass(frozen=True)
@@ -203,9 +218,7 @@ class DeployPlan:
             )
         parallel_stage_init_of(deploy, str(path))  # a bad value fails here, not in the engine
         max_pending_of(deploy, str(path))
-        visible = visible_gpus() if visible == -1 else visible
-        for i, stage in enumerate(deploy.get("stages") or []):
-            stage_devices_of(stage or {}, f"deploy config {path}: stages[{i}]", visible)
+        check_deploy_devices(str(path), visible)
         for conn_name, conn in (deploy.get("connectors") or {}).items():
             try:
                 window_settings((conn or {}).get("extra"))

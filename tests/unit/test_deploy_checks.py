@@ -184,6 +184,7 @@ BAD_STARTS = {
     "chunk_not_int": (_set((*EXTRA, "codec_chunk_frames"), "25"), "codec_chunk_frames must be a non-negative int"),
     "unknown_key": (_set((*EXTRA, "codec_left_frames"), 25), "unknown key 'codec_left_frames'"),
     "stage1_too_short": (_set(("stages", 1, "max_model_len"), 400), "stage 1 (codec): max_model_len (400) must be >= 480"),
+    "device_not_an_index": (_set(("stages", 1, "devices"), "gpu1"), "stages[1].devices: expected GPU indices"),
 }
 
 
