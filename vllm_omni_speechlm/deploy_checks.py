@@ -67,10 +67,10 @@ MORE_GPUS_HINT = (
 
 
 def check_parallelism(parallel_config: Any) -> None:
-    """Stage 0 runs on one rank (TP = PP = 1). Under TP the aux-stream head, the request tables and
-    the step graphs are not wired yet (docs/architecture.md, "Tensor-parallel stage 0"); pipeline
-    stages would split the step itself: the aux streams sampled after the last layer are the next
-    step's input embeddings on the first."""
+    """Stage 0 runs on one rank (TP = PP = 1). Under TP the aux head is sharded (tp_heads.py), but
+    identical state on every rank and step graphs holding collectives are not run on GPUs yet
+    (docs/architecture.md, "Tensor-parallel stage 0"); pipeline stages would split the step
+    itself: the aux streams sampled after the last layer are the next step's input on the first."""
     tp = getattr(parallel_config, "tensor_parallel_size", 1)
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
     if pp != 1:
@@ -133,9 +133,10 @@ def _stage_value(stage: dict, key: str, section: str) -> Any:
 
 def stage_devices_of(stage: dict, where: str, visible: int | None = None) -> list[int] | None:
     """A stage's `devices` as GPU indices (None: not set, or "cpu"). Each must be a non-negative
-    integer, one per rank (tensor x pipeline parallel size), and below `visible`, the GPUs this
-    process sees (None: not checked). vllm-omni reads the value only as the stage starts, where
-    a typo or a missing GPU fails far from the YAML."""
+    integer, one per rank (tensor x pipeline parallel size; or per rank of every replica, as
+    vllm-omni allows), and below `visible`, the GPUs this process sees (None: not checked).
+    vllm-omni reads the value only as the stage starts, where a typo or a missing GPU fails far
+    from the YAML."""
     value = _stage_value(stage, "devices", "runtime")
     if value is None or value == "cpu":
         return None
@@ -146,12 +147,13 @@ def stage_devices_of(stage: dict, where: str, visible: int | None = None) -> lis
     ranks = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         ranks *= int(_stage_value(stage, key, "engine_args") or 1)
-    if len(ids) != ranks:
+    replicas = int(_stage_value(stage, "num_replicas", "runtime") or 1)
+    if len(ids) not in (ranks, ranks * replicas):
         raise ValueError(f"{where}.devices: {value!r} names {len(ids)} GPU(s) but the stage has {ranks} rank(s) "
                          "(tensor_parallel_size x pipeline_parallel_size)")
     missing = [i for i in ids if visible is not None and i >= visible]
     if missing:
-        raise ValueError(f"{where}.devices: GPU {missing[0]} does not exist: this process sees {visible} "
+        raise ValueError(f"{where}.devices: GPU {missing[0]} does not exist: this process sees {visible} GPU(s) "
                          "(indices count within CUDA_VISIBLE_DEVICES when it is set)")
     return ids
 

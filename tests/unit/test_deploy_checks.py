@@ -112,6 +112,8 @@ def test_devices_as_an_int_or_under_runtime(tmp_path):
     with pytest.raises(ValueError, match=r"stages\[1\]\.devices: GPU 3 does not exist"):
         DeployPlan.from_yaml(_write(tmp_path, "runtime.yaml", deploy), visible=2)
     DeployPlan.from_yaml(_write(tmp_path, "unchecked.yaml", deploy), visible=None)  # no GPU count: format only
+    deploy["stages"][1]["runtime"] = {"devices": "0,1", "num_replicas": 2}  # one GPU per replica
+    DeployPlan.from_yaml(_write(tmp_path, "replicas.yaml", deploy), visible=2)
 
 
 def _write(tmp_path, name: str, deploy: dict) -> str:

@@ -1,10 +1,8 @@
 """The aux streams' head split as vLLM's vocab-parallel LM head splits the vocabulary: each
 rank's part, gathered, equals the one-rank logits exactly (float32), on simulated shards and
-under a real 2-process vLLM TP group on CPU (vllm_omni_speechlm/models/tp_heads.py)."""
+over a real 2-process gloo group (vllm_omni_speechlm/models/tp_heads.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -90,52 +88,37 @@ def test_the_tiny_checkpoints_layout(tiny_bagpiper):
     assert torch.equal(got, _reference(head, aux_emb, hidden, lo, width, num_aux))
 
 
-# ---- a real 2-process vLLM group -------------------------------------------------------------
+# ---- a real 2-process group ---------------------------------------------------------------------
 
 
-def _vllm_rank(rank: int, init_file: str, out_dir: str, ident: str, layout: tuple) -> None:
-    """One rank of a TP=2 vLLM group on gloo: a real `ParallelLMHead` loaded by its own weight
-    loader, stream 0 through vLLM's `LogitsProcessor` (its all-gather), the aux streams as the
-    model wires them (the head's own shards, vLLM's all-gather)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    from vllm_omni_speechlm.models.tp_heads import lm_head_aux_plan, tp_all_gather
+def _gloo_rank(rank: int, init_file: str, out_dir: str, layout: tuple, shards: list) -> None:
+    """One rank: its shard, its part, one all-gather. The shards come from the parent, so the
+    spawned process imports torch only (vLLM's own group: tests/engine/test_tp_group.py)."""
+    import torch.distributed as dist
 
     vocab, lo, width, num_aux, tp = layout
-    torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = ident  # names the CPU communicator's shared memory (vLLM's CPU executor sets it)
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(tp, rank, f"file://{init_file}", rank, backend="gloo")
-        ensure_model_parallel_initialized(tp, 1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    try:
+        torch.set_num_threads(1)
         head, aux_emb, hidden = _weights(vocab, num_aux)
-        lm_head = ParallelLMHead(vocab, HIDDEN, params_dtype=torch.float32)
-        lm_head.weight_loader(lm_head.weight, head)
-        lm_head.quant_method.process_weights_after_loading(lm_head)  # as vLLM's loader does
-        plan = lm_head_aux_plan(lm_head, lo, width, num_aux)  # what the model builds
-        aux = aux_logits_sharded(hidden, aux_emb, lm_head.weight, plan, tp_all_gather)  # what its aux_logits runs
-        stream0 = LogitsProcessor(vocab)(lm_head, hidden)
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    torch.save((stream0, aux), f"{out_dir}/vllm{rank}.pt")
+        plan = aux_shard_plan(shards, rank, lo, width, num_aux)
+
+        def all_gather(x: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(x) for _ in range(tp)]
+            dist.all_gather(parts, x.contiguous())
+            return torch.cat(parts, dim=-1)
+
+        got = aux_logits_sharded(hidden, aux_emb, _shard_weight(head, shards[rank]), plan, all_gather)
+        torch.save(got, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
 
 
-def test_two_rank_vllm_group(tmp_path):
-    """The model's wiring under vLLM's own TP group (CPU communicator): every rank gets the
-    one-rank stream-0 and aux logits."""
+def test_two_rank_gloo_group(tmp_path):
     layout = LAYOUTS[0]
-    ident = f"speechlm-tp-heads-{os.getpid()}"  # unique: other test runs may share /dev/shm
-    mp.spawn(_vllm_rank, args=(str(tmp_path / "init"), str(tmp_path), ident, layout), nprocs=2, join=True)
-    vocab, lo, width, num_aux, _ = layout
-    head, aux_emb, hidden = _weights(vocab, num_aux)
-    for rank in range(2):
-        stream0, aux = torch.load(tmp_path / f"vllm{rank}.pt")
-        assert torch.equal(aux, _reference(head, aux_emb, hidden, lo, width, num_aux))
-        torch.testing.assert_close(stream0, hidden @ head.T, rtol=0, atol=1e-5)
+    vocab, lo, width, num_aux, tp = layout
+    shards = vocab_shards(vocab, tp)
+    mp.spawn(_gloo_rank, args=(str(tmp_path / "init"), str(tmp_path), layout, shards), nprocs=tp, join=True)
+    want = _reference(*_weights(vocab, num_aux), lo, width, num_aux)
+    for rank in range(tp):
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), want)
