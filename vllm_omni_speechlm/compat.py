@@ -414,8 +414,8 @@ def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dic
 
 def pass_parallel_stage_init_from_deploy() -> None:
     """Make vllm-omni's engine (`OmniEngineBase.__init__`, which reads the keyword) take
-    `parallel_stage_init` from the deploy YAML (and check the YAML's `max_pending_requests`).
-    Idempotent."""
+    `parallel_stage_init` from the deploy YAML (and check the YAML's `max_pending_requests` and
+    stage `devices`). Idempotent."""
     from vllm.platforms import current_platform
     from vllm_omni.engine.omni_engine_base import OmniEngineBase
 
@@ -425,7 +425,10 @@ def pass_parallel_stage_init_from_deploy() -> None:
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from vllm_omni_speechlm.deploy_checks import check_deploy_devices  # it imports this module
+
         deploy_max_pending(kwargs.get("deploy_config"))  # a bad value fails the start, not a request
+        check_deploy_devices(kwargs.get("deploy_config"))  # before any stage process: a typo or a missing GPU
         init(self, *args, **with_deploy_parallel_stage_init(kwargs, current_platform.is_cpu()))
 
     __init__._reads_deploy_parallel_stage_init = True  # type: ignore[attr-defined]

@@ -59,8 +59,35 @@ def check_codec_stage(vllm_config: Any) -> None:
             )
 
 
+# What to do instead of sharding stage 0, in the refusals below.
+MORE_GPUS_HINT = (
+    "to use a second GPU, run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml) or start one "
+    "server per GPU"
+)
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Stage 0 runs on one rank (TP = PP = 1). Under TP the aux head is sharded (tp_heads.py), but
+    identical state on every rank and step graphs holding collectives are not run on GPUs yet
+    (docs/architecture.md, "Tensor-parallel stage 0"); pipeline stages would split the step
+    itself: the aux streams sampled after the last layer are the next step's input on the first."""
+    tp = getattr(parallel_config, "tensor_parallel_size", 1)
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if pp != 1:
+        raise ValueError(
+            f"speech LM stage: pipeline_parallel_size {pp} is not supported (the aux streams sampled after the "
+            f"last layer feed the next step's first layer); set pipeline_parallel_size: 1; {MORE_GPUS_HINT}"
+        )
+    if tp != 1:
+        raise ValueError(
+            f"speech LM stage: tensor_parallel_size {tp} is not supported yet; set tensor_parallel_size: 1 "
+            f"(one H100 holds the 8B model in bfloat16); {MORE_GPUS_HINT}"
+        )
+
+
 def check_speech_lm_stage(vllm_config: Any) -> None:
-    """The speech LM stage: window settings when it produces streamed windows."""
+    """The speech LM stage: one rank; window settings when it produces streamed windows."""
+    check_parallelism(vllm_config.parallel_config)
     model_config = vllm_config.model_config
     if getattr(model_config, "async_chunk", False):
         extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}
@@ -98,6 +125,61 @@ def register_startup_checks(speech_lm_archs: list[str], codec_archs: list[str]) 
 # ---- the deploy YAML itself (offline entry points of this project) ----------------------------
 
 
+def _stage_value(stage: dict, key: str, section: str) -> Any:
+    """A stage's setting, flat or under `runtime:` / `engine_args:` (vllm-omni reads both)."""
+    nested = stage.get(section) or {}
+    return nested[key] if key in nested else stage.get(key)
+
+
+def stage_devices_of(stage: dict, where: str, visible: int | None = None) -> list[int] | None:
+    """A stage's `devices` as GPU indices (None: not set, or "cpu"). Each must be a non-negative
+    integer, one per rank (tensor x pipeline parallel size; or per rank of every replica, as
+    vllm-omni allows), and below `visible`, the GPUs this process sees (None: not checked).
+    vllm-omni reads the value only as the stage starts, where a typo or a missing GPU fails far
+    from the YAML."""
+    value = _stage_value(stage, "devices", "runtime")
+    if value is None or value == "cpu":
+        return None
+    parts = [value] if isinstance(value, int) and not isinstance(value, bool) else str(value).split(",")
+    if isinstance(value, bool) or not all(str(p).strip().isdigit() for p in parts):
+        raise ValueError(f"{where}.devices: expected GPU indices such as \"0\" or \"0,1\", got {value!r}")
+    ids = [int(str(p).strip()) for p in parts]
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        ranks *= int(_stage_value(stage, key, "engine_args") or 1)
+    replicas = int(_stage_value(stage, "num_replicas", "runtime") or 1)
+    if len(ids) not in (ranks, ranks * replicas):
+        raise ValueError(f"{where}.devices: {value!r} names {len(ids)} GPU(s) but the stage has {ranks} rank(s) "
+                         "(tensor_parallel_size x pipeline_parallel_size)")
+    missing = [i for i in ids if visible is not None and i >= visible]
+    if missing:
+        raise ValueError(f"{where}.devices: GPU {missing[0]} does not exist: this process sees {visible} GPU(s) "
+                         "(indices count within CUDA_VISIBLE_DEVICES when it is set)")
+    return ids
+
+
+def visible_gpus() -> int | None:
+    """GPUs this process sees (within CUDA_VISIBLE_DEVICES); None off CUDA (the CPU platform does
+    not use `devices`). vLLM's count, which creates no CUDA context before the stages start."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_count() if current_platform.is_cuda() else None
+
+
+def check_deploy_devices(path: str | None, visible: int | None = -1) -> None:
+    """Every stage's `devices` in the deploy YAML at `path` (none: nothing to check); `visible` as
+    in `DeployPlan.from_yaml`."""
+    if not path:
+        return
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        deploy = yaml.safe_load(f) or {}
+    visible = visible_gpus() if visible == -1 else visible
+    for i, stage in enumerate(deploy.get("stages") or []):
+        stage_devices_of(stage or {}, f"deploy config {path}: stages[{i}]", visible)
+
+
 @dataclass(frozen=True)
 class DeployPlan:
     """What a deploy YAML runs, read before any engine starts (SpeechLMGenerator, benchmarks).
@@ -118,8 +200,9 @@ class DeployPlan:
         return self.two_stage and self.async_chunk
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike, async_chunk: bool | None = None) -> DeployPlan:
-        """`async_chunk`: the caller's override of the YAML's (None: the YAML decides)."""
+    def from_yaml(cls, path: str | os.PathLike, async_chunk: bool | None = None, visible: int | None = -1) -> DeployPlan:
+        """`async_chunk`: the caller's override of the YAML's (None: the YAML decides); `visible`:
+        the GPUs the stages' `devices` must exist among (-1: this process's; None: not checked)."""
         import yaml
         from vllm_omni.config.pipeline_registry import OMNI_PIPELINES
 
@@ -137,6 +220,7 @@ class DeployPlan:
             )
         parallel_stage_init_of(deploy, str(path))  # a bad value fails here, not in the engine
         max_pending_of(deploy, str(path))
+        check_deploy_devices(str(path), visible)
         for conn_name, conn in (deploy.get("connectors") or {}).items():
             try:
                 window_settings((conn or {}).get("extra"))

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from vllm_omni_speechlm import stage_configs
-from vllm_omni_speechlm.deploy_checks import DeployPlan, codec_reach
+from vllm_omni_speechlm.deploy_checks import DeployPlan, check_speech_lm_stage, codec_reach
 from vllm_omni_speechlm.streaming import WINDOW_DEFAULTS, max_window_ids, window_settings
 
 XCODEC_REACH = (10, 10)
@@ -58,9 +58,62 @@ def test_deploy_plans_of_the_shipped_yamls():
 
     plugin.register()
     plans = {name: DeployPlan.from_yaml(stage_configs.path(name)) for name in (
-        "speech_lm_only.yaml", "bagpiper_fused.yaml", "bagpiper_batch.yaml", "bagpiper_streaming.yaml")}
-    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True)]
+        "speech_lm_only.yaml", "bagpiper_fused.yaml", "bagpiper_batch.yaml", "bagpiper_streaming.yaml",
+        "bagpiper_streaming_2gpu.yaml")}
+    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True), (2, True)]
     assert DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming.yaml"), async_chunk=False).streaming is False
+
+
+def _two_gpu_yaml() -> dict:
+    with open(stage_configs.path("bagpiper_streaming_2gpu.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def test_two_gpu_yaml_places_the_stages_apart():
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    plan = DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming_2gpu.yaml"), visible=2)
+    assert (plan.num_stages, plan.streaming) == (2, True)
+    assert [s["devices"] for s in _two_gpu_yaml()["stages"]] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "stage, devices, visible, message",
+    [
+        (1, "gpu1", 2, "stages[1].devices: expected GPU indices such as \"0\" or \"0,1\", got 'gpu1'"),
+        (1, "-1", 2, "stages[1].devices: expected GPU indices"),
+        (0, "0,x", 2, "stages[0].devices: expected GPU indices"),
+        (0, True, 2, "stages[0].devices: expected GPU indices"),
+        (1, "1", 1, "stages[1].devices: GPU 1 does not exist: this process sees 1"),
+        (0, "0,1", 2, "stages[0].devices: '0,1' names 2 GPU(s) but the stage has 1 rank(s)"),
+    ],
+)
+def test_bad_devices_name_the_key(tmp_path, stage, devices, visible, message):
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    deploy = _two_gpu_yaml()
+    deploy["stages"][stage]["devices"] = devices
+    with pytest.raises(ValueError) as err:
+        DeployPlan.from_yaml(_write(tmp_path, "devices.yaml", deploy), visible=visible)
+    assert message in str(err.value)
+
+
+def test_devices_as_an_int_or_under_runtime(tmp_path):
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    deploy = _two_gpu_yaml()
+    deploy["stages"][1]["devices"] = 1
+    DeployPlan.from_yaml(_write(tmp_path, "int.yaml", deploy), visible=2)
+    deploy["stages"][1].pop("devices")
+    deploy["stages"][1]["runtime"] = {"devices": "3"}
+    with pytest.raises(ValueError, match=r"stages\[1\]\.devices: GPU 3 does not exist"):
+        DeployPlan.from_yaml(_write(tmp_path, "runtime.yaml", deploy), visible=2)
+    DeployPlan.from_yaml(_write(tmp_path, "unchecked.yaml", deploy), visible=None)  # no GPU count: format only
+    deploy["stages"][1]["runtime"] = {"devices": "0,1", "num_replicas": 2}  # one GPU per replica
+    DeployPlan.from_yaml(_write(tmp_path, "replicas.yaml", deploy), visible=2)
 
 
 def _write(tmp_path, name: str, deploy: dict) -> str:
@@ -91,6 +144,28 @@ def test_deploy_plan_rejects_what_vllm_omni_would_ignore(tmp_path):
         DeployPlan.from_yaml(_write(tmp_path, "typo.yaml", typo))
 
 
+@pytest.mark.parametrize(
+    "tp, pp, message",
+    [
+        (2, 1, "tensor_parallel_size 2 is not supported yet; set tensor_parallel_size: 1"),
+        (1, 2, "pipeline_parallel_size 2 is not supported"),
+    ],
+)
+def test_stage0_parallelism_is_refused_at_start_up(tp, pp, message):
+    """The speech LM stage's start-up check (before any worker) says what works and what to use."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(async_chunk=False),
+    )
+    with pytest.raises(ValueError) as err:
+        check_speech_lm_stage(config)
+    assert message in str(err.value) and "run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml)" in str(err.value)
+    config.parallel_config.tensor_parallel_size = config.parallel_config.pipeline_parallel_size = 1
+    check_speech_lm_stage(config)
+
+
 # ---- real engine starts ---------------------------------------------------------------------------
 
 
@@ -111,6 +186,7 @@ BAD_STARTS = {
     "chunk_not_int": (_set((*EXTRA, "codec_chunk_frames"), "25"), "codec_chunk_frames must be a non-negative int"),
     "unknown_key": (_set((*EXTRA, "codec_left_frames"), 25), "unknown key 'codec_left_frames'"),
     "stage1_too_short": (_set(("stages", 1, "max_model_len"), 400), "stage 1 (codec): max_model_len (400) must be >= 480"),
+    "device_not_an_index": (_set(("stages", 1, "devices"), "gpu1"), "stages[1].devices: expected GPU indices"),
 }
 
 

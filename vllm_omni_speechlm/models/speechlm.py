@@ -21,8 +21,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
+from vllm_omni_speechlm.deploy_checks import check_parallelism
 from vllm_omni_speechlm.frames import CODES_KEY
 from vllm_omni_speechlm.models.steps import SpeechLMSteps
+from vllm_omni_speechlm.models.tp_heads import aux_logits_sharded, aux_logits_unsharded, lm_head_aux_plan, tp_all_gather
 
 
 class SpeechLMForCausalLM(nn.Module):
@@ -51,6 +53,9 @@ class SpeechLMForCausalLM(nn.Module):
         self.model = self.make_backbone(vllm_config, maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(hf.vocab_size)
+        # This rank's part of the aux head under TP (on the model's device: vLLM builds the model
+        # there); None with one rank, whose aux head is a view of the LM head's rows.
+        self.aux_plan = lm_head_aux_plan(self.lm_head, cfg.streams[1].vocab_start, cfg.aux_stream_width, cfg.num_streams - 1)
         self.stream_embeddings = nn.Embedding(cfg.num_streams, hf.hidden_size)
         self.register_buffer("aux_start", torch.tensor([s.vocab_start for s in cfg.streams[1:]]), persistent=False)
         # Summed aux-stream embeddings of each scheduled token, at a fixed address (CUDA graphs).
@@ -63,9 +68,7 @@ class SpeechLMForCausalLM(nn.Module):
 
     @staticmethod
     def _check_supported(vllm_config: VllmConfig, cfg: SpeechLMConfig) -> None:
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError("speech LM stage: tensor/pipeline parallelism is not supported yet (TP=PP=1)")
+        check_parallelism(vllm_config.parallel_config)  # also at start-up (deploy_checks); here for any other path
         ends = [s.vocab_end for s in cfg.streams[1:-1]]
         if ends != [s.vocab_start for s in cfg.streams[2:]]:
             raise ValueError("speechlm config: stream_sizes: streams 1..S-1 must be adjacent in the vocabulary")
@@ -93,12 +96,15 @@ class SpeechLMForCausalLM(nn.Module):
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
 
     def aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only."""
+        """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only; under
+        TP each rank projects the part its head shard holds, then one all-gather (tp_heads.py)."""
         cfg = self.speech
+        aux_embeddings = self.stream_embeddings.weight[1:]
+        if self.aux_plan is not None:
+            return aux_logits_sharded(hidden, aux_embeddings, self.lm_head.weight, self.aux_plan, tp_all_gather)
         lo, hi, width = cfg.streams[1].vocab_start, cfg.streams[-1].vocab_end, cfg.aux_stream_width
-        weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H]
-        h = hidden[None, :, :] + self.stream_embeddings.weight[1:, None, :]  # [S-1, N, H]
-        return torch.bmm(h, weight.transpose(1, 2)).transpose(0, 1)
+        weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H], a view
+        return aux_logits_unsharded(hidden, aux_embeddings, weight)
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] raw stream-0 logits."""
