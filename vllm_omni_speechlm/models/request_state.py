@@ -95,10 +95,15 @@ class RequestTable:
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
-        self.num_text_capable += params.modality != OutputMode.AUDIO
+        self.num_text_capable += self.text_capable(params)
         ints = tuple(getattr(v, n) for n in INT_FIELDS) + (seed,)
         self._admitted.append((slot, int(params.modality), ints, tuple(getattr(v, n) for n in FLOAT_FIELDS)))
         return entry
+
+    def text_capable(self, params: SpeechSamplingParams) -> bool:
+        """Whether a request may have text rows. Under the parallel rules an audio answer that
+        ends with eot goes on with a segment of the model's choice, which may be text."""
+        return params.modality != OutputMode.AUDIO or self.cfg.decoding.parallel_segments
 
     def write_admitted(self) -> None:
         """The table rows of the requests admitted since the last call. One copy per table: a
@@ -123,7 +128,7 @@ class RequestTable:
                 self.num_released += 1
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
-                self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
+                self.num_text_capable -= self.text_capable(entry.params)
 
     def row_sampling(self, slots: torch.Tensor, max_top_k: int) -> RowSampling:
         """Rows' sampling tensors; `max_top_k` is the host max over their entries' `max_top_k`."""
