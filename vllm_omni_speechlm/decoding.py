@@ -4,26 +4,29 @@ per-modality sampling and the random-number contract.
 Everything here is batched over rows (one row = one request's sampled position) and stays on the
 device: no host syncs, no branching on tensor values.
 
-Phase machine (one int per request, advanced by the sampled stream-0 token):
+Phase machine (per request: phase, steps in the phase, segments ended so far; advanced by the
+emitted stream-0 token). An answer is a run of segments, as ESPnet's ParallelLLM.inference
+decodes it: the prompt ends with <|assistant|>; a segment is a modality token (the output mode's
+enforced one, else the greedy choice of <|text|> / <|audio|>) and that modality's rows:
 
-    START --<|text|>--> TEXT --<|eot|>--> TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
-      |                                                                             |
-      +--<|audio|>--> AUDIO <--------------------- <|audio|> -----------------------+
-    any --<|eos|>--> DONE
+    START / AFTER_ASSISTANT --<|text|>--> TEXT, --<|audio|>--> AUDIO     (one mask per segment)
+    TEXT / AUDIO --<|eot|>, or eos / max length while an enforced modality is still to come-->
+        TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
+    TEXT / AUDIO --<|eos|>--> DONE;  --max length, nothing enforced left--> FINAL --(forced eos)--> DONE
     AUDIO --deferred eos--> DRAIN --(S-1 forced pads, then a forced <|eos|>)--> DONE   (drain families)
 
-The row kind (which mask and which modality's sampling a row gets) depends on the phase and the
-request's output mode. In AUTO mode free rows follow the released rule, read from the argmax of
-the raw stream-0 logits: a modality marker -> CHOOSE row, a codec token -> AUDIO row, else TEXT.
-The forced modes (TEXT only, AUDIO only, TEXT_AUDIO) decide by phase, so even a random model
-walks through every phase. Families without the argmax rule (`DecodingSpec`) decide by phase in
-AUTO mode too.
+eos and eot are masked before a segment's minimum length (text and audio alike); nothing is
+forced at its maximum. A segment's last row is fed back with streams 1..S-1 pad. An eos that
+does not end the answer is emitted as `DecodingSpec.deferred_eos` (vLLM stops on eos; the model
+embeds it as eos). The delay rules (OpusLM, `parallel_segments` false) keep eot out of audio,
+end a text part that audio follows with a forced eot at `max_text_tokens`, and drain.
 
-Each request also carries `phase_step`, the number of steps taken in its current phase (0 on the
-first row of a phase). The family rules of `DecodingSpec` read it: in AUDIO, stream s is forced
-to pad while phase_step < s (delay warm-up) and eos is masked while phase_step < min_audio_frames;
-in DRAIN (drain row d = phase_step + 1), stream 0 is forced to pad for d < S and to eos at d = S,
-and stream s >= 1 still samples its last frames while d < s.
+The row kind (which mask and which modality's sampling a row gets) follows from the phase, the
+output mode and the segment index; `phase_step` (0 on the first row of a phase) gives the
+minimum and maximum lengths and the family rules of `DecodingSpec`: in AUDIO, stream s is forced
+to pad while phase_step < s (delay warm-up); in DRAIN (drain row d = phase_step + 1), stream 0
+is forced to pad for d < S and to eos at d = S, and stream s >= 1 still samples its last frames
+while d < s.
 
 Tensors are compared with `int(...)` of the enums: torch.compile (the engine compiles this math
 on CUDA) folds `tensor == IntEnum` to a Python bool.

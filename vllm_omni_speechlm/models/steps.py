@@ -8,7 +8,7 @@ which hand each step to `SpeechLMSteps`, in this order:
                    (batched; no per-request runner hooks)
     output         admit new requests; hand the runner this step's [N, S] host frame buffer
                    (filled below, copied once in `sample`; frames.py)
-    logits         raw stream-0 logits -> row kinds (phase machine / argmax rule); streams 1..S-1
+    logits         row kinds from the phase machine; streams 1..S-1
                    projected on their own vocabulary slices in one batched matmul and sampled;
                    CFG pairs merged; stream-0 masks, top-k, temperature compensation; returns
                    what vLLM's sampler gets
