@@ -91,10 +91,12 @@ class Family:
 
 
 # The tiny Bagpiper's decoding defaults, as an ESPnet inference config (the tiny export carries it
-# as inference.yaml): the released temperatures and top-k; segments short enough for tests.
+# as inference.yaml): the released temperatures and top-k, no guidance; audio runs until the
+# request's max_tokens unless the request lowers min_audio_frames (the tiny model's eos is strong:
+# streaming and preemption tests need long clips).
 TINY_BAGPIPER_INFERENCE = {
     "text": {"temperature": 0.6, "topk": 20, "cfg": 1, "min_step": 1, "max_step": 8192},
-    "audio": {"temperature": 0.8, "topk": 20, "cfg": 1, "min_step": TINY_MIN_AUDIO_FRAMES, "max_step": 2048},
+    "audio": {"temperature": 0.8, "topk": 20, "cfg": 1, "min_step": 2048, "max_step": 2048},
 }
 
 
