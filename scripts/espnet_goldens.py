@@ -16,8 +16,8 @@ extractor.) The JSON records ESPnet's commit from `git -C $ESPNET_SRC`, else $ES
 
 An export DIR holds what ESPnet's build and `bin/inference.py` need:
   model.pth     {"module": state_dict}, as espnet2/speechlm/bin/export_checkpoint.py saves it
-  qwen3/        the backbone's Hugging Face config.json (vocab_size = text vocabulary size) and
-                the text tokenizer (text ids from 0, as Qwen's)
+  qwen3/ or backbone/  the backbone's Hugging Face config.json (vocab_size = text vocabulary
+                size) and the text tokenizer (text ids from 0, as Qwen's)
   xcodec/       transformers' XcodecConfig config.json
   qwen3_omni/   optional: Qwen3OmniMoeConfig config.json + processor (default: write_tiny_omni)
 Weight files there are optional: ESPnet's build loads pretrained weights that model.pth then
@@ -167,7 +167,9 @@ def build_job(export: str, tmp: str):
     if not os.path.isdir(omni):  # optional in an export: the tiny tower below is the default
         write_tiny_omni(omni := os.path.join(tmp, "qwen3_omni"))
     materialise(omni, "omni", tmp)  # OMNI_TAG resolves here
-    config = espnet_config(materialise(os.path.join(export, "qwen3"), "qwen3", tmp),
+    # qwen3/: --make-export's name; backbone/: speechlm-make-tiny --espnet-export's.
+    backbone = next(os.path.join(export, d) for d in ("qwen3", "backbone") if os.path.isdir(os.path.join(export, d)))
+    config = espnet_config(materialise(backbone, "qwen3", tmp),
                            materialise(os.path.join(export, "xcodec"), "xcodec", tmp))
     job = SpeechLMJobTemplate(config, is_train=False)
     with flash_attention_label():
@@ -313,7 +315,7 @@ CASES = [
          dialogue=(SYSTEM, ["user", "text", "Hello! Say it again!"])),  # "!" is text id 0 -> pad
     case("text_min_step_1_max_step_3", ["text", "audio"], text=greedy(3)),
     case("audio_min_step_1", ["audio"], audio=greedy(40, min_step=1)),
-    case("audio_min_step_20", ["audio"], audio=greedy(40, min_step=20)),
+    case("audio_min_step_25", ["audio"], audio=greedy(40, min_step=25)),  # past the natural end (20)
     # Fewer rows than streams: ESPnet's de-interleave has no whole frame to decode.
     case("audio_max_step_4", ["audio"], audio=greedy(4)),
 ]

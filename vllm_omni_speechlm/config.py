@@ -71,17 +71,40 @@ class SpecialIds:
 
 @dataclass(frozen=True)
 class ModalitySampling:
-    """Sampling defaults of one output modality (0 temperature means greedy)."""
+    """Decoding defaults of one output modality, as ESPnet's inference config holds them per
+    modality (0 temperature means greedy). A segment of this modality may end (eos or eot) only
+    from its `min_steps`-th row on, and ends by itself after `max_steps` rows (0: no bound but the
+    request's `max_tokens`)."""
 
     temperature: float
     top_k: int  # <= 0: no top-k
+    min_steps: int = 0
+    max_steps: int = 0
+    cfg_scale: float = 1.0  # classifier-free guidance of this modality's segments (1: off)
 
     def validate(self, name: str) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise _fail(f"{name}.temperature", f"must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise _fail(f"{name}.top_k", f"must be an integer, got {self.top_k!r}")
+        for key in ("top_k", "min_steps", "max_steps"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or (key != "top_k" and v < 0):
+                raise _fail(f"{name}.{key}", f"must be an integer{'' if key == 'top_k' else ' >= 0'}, got {v!r}")
+        c = self.cfg_scale
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 1:
+            raise _fail(f"{name}.cfg_scale", f"must be a finite number >= 1, got {c!r}")
+
+
+def espnet_modality_sampling(section: dict[str, Any]) -> ModalitySampling:
+    """One modality of an ESPnet inference config (`text:` / `audio:` of inference_sft.yaml:
+    temperature, topk, min_step, max_step, cfg; ESPnet's own defaults where a key is absent)."""
+    return ModalitySampling(
+        temperature=section["temperature"],
+        top_k=section.get("topk", 0),
+        min_steps=section.get("min_step", 1),
+        max_steps=section["max_step"],
+        cfg_scale=section.get("cfg", 1.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -102,32 +125,45 @@ class CodecSpec:
 
 @dataclass(frozen=True)
 class DecodingSpec:
-    """Family decoding rules as data (defaults: Bagpiper, which emits its delay tail itself).
+    """Family decoding rules as data (defaults: Bagpiper, ESPnet's ParallelLLM.inference).
 
-    OpusLM: AUTO rows follow the phase (no argmax rule); stream s is forced to pad while the
-    audio step is < s (delay warm-up); eos is masked for the first `min_audio_frames` audio
-    steps; and audio ends with a drain: the first eos stream 0 samples is emitted as
-    `deferred_eos` (so vLLM, which stops on eos, keeps going; it embeds like eos), then S-1
-    steps force pad on stream 0 while streams s > drain step still emit their last frames,
-    then a forced eos stops the request.
+    `parallel_segments` (Bagpiper): the answer is a run of segments, each opened by
+    `<|assistant|>` and a modality token (the enforced one, else the greedy choice between
+    `<|text|>` and `<|audio|>`). A text or audio segment may end with eos or eot once it has
+    `min_steps` rows, and ends by itself after `max_steps` rows. Another segment follows a
+    segment that ended with eot, or while an enforced modality is still to come; otherwise the
+    answer is over. An eos that does not end the answer is emitted as `deferred_eos` (vLLM stops
+    on eos; the model embeds it as eos), and an answer that ends at a max length gets one forced
+    eos row so that vLLM stops.
+
+    False (OpusLM, ESPnet's ar_delay): audio ends with eos only (after `min_audio_frames`), a text
+    part that audio follows ends with eot (forced after `max_text_tokens`), a text-only answer
+    stops at eot, the modality choice is sampled; stream s is forced to pad while the audio step
+    is < s (delay warm-up); and audio ends with a drain: the first eos stream 0 samples is
+    emitted as `deferred_eos`, then S-1 steps force pad on stream 0 while streams s > drain step
+    still emit their last frames, then a forced eos stops the request.
     """
 
-    modality_from_argmax: bool = True
+    parallel_segments: bool = True
     delay_warmup: bool = False
     min_audio_frames: int = 0
     drain: bool = False
-    deferred_eos: int | None = None  # required with drain: a special id the model never needs
+    deferred_eos: int | None = None  # required with drain or parallel_segments: a special id the model never needs
     guidance: bool = True  # classifier-free guidance against the all-pad prompt (OpusLM has none)
 
     def validate(self, cfg: "SpeechLMConfig") -> None:
         if isinstance(self.min_audio_frames, bool) or not isinstance(self.min_audio_frames, int) or self.min_audio_frames < 0:
             raise _fail("decoding.min_audio_frames", f"must be an integer >= 0, got {self.min_audio_frames!r}")
-        if not self.drain:
+        if self.drain and self.parallel_segments:
+            raise _fail("decoding.drain", "a drain belongs to the delay rules (parallel_segments false)")
+        if not (self.drain or self.parallel_segments):
             return
         lo, hi = cfg.special_range
         d = self.deferred_eos
         if not isinstance(d, int) or not lo <= d < hi or d in {tok for _, tok in cfg.specials.items()}:
-            raise _fail("decoding.deferred_eos", f"a drain needs an unnamed special id in [{lo}, {hi}), got {d!r}")
+            raise _fail("decoding.deferred_eos", f"needs an unnamed special id in [{lo}, {hi}), got {d!r}")
+        if not self.drain:
+            return
         if cfg.stream_pad_slot:
             raise _fail("decoding.drain", "a drain pads streams with the special pad: needs stream_pad_slot false")
         if self.min_audio_frames < cfg.num_streams - 1:
@@ -149,6 +185,9 @@ class SpeechLMConfig:
     specials: SpecialIds
     text_sampling: ModalitySampling = ModalitySampling(0.6, 20)
     audio_sampling: ModalitySampling = ModalitySampling(0.8, 20)
+    # Prompt text id 0 is fed as pad (ESPnet's Bagpiper preprocessor maps text id 0, Qwen's "!",
+    # to its pad id 0: speechlm_job.py, `this_seq == pad_id`). Sampled text ids are not mapped.
+    prompt_text_zero_is_pad: bool = False
     # The stream embedding is added to stream 0 too (OpusLM's per-stream head bias).
     primary_stream_embedding: bool = False
     codec: CodecSpec = field(default_factory=CodecSpec)
@@ -293,7 +332,17 @@ def bagpiper_layout(text_vocab_size: int = 151936) -> SpeechLMConfig:
         stream_sizes=stream_sizes,
         stream_pad_slot=True,
         specials=SpecialIds(pad=0, bos=1, eos=2, eot=3, system=4, user=5, assistant=6, text=7, audio=8),
+        # The released SFT decoding (egs2/bagpiper/speechlm1/conf/inference_sft.yaml).
+        text_sampling=ModalitySampling(0.6, 20, min_steps=1, max_steps=8192),
+        audio_sampling=ModalitySampling(0.8, 20, min_steps=50, max_steps=2048, cfg_scale=3.0),
+        prompt_text_zero_is_pad=True,
+        decoding=DecodingSpec(deferred_eos=BAGPIPER_DEFERRED_EOS),
     )
+
+
+# ESPnet's `<|unused_255|>`: never sampled nor in a prompt; stands for an eos that does not end
+# the answer (a text part followed by its enforced audio part).
+BAGPIPER_DEFERRED_EOS = 255
 
 
 # OpusLM special ids (ESPnet `espnet2/speechlm/definitions.py`: 0-31 general, 32-63 modality
@@ -342,7 +391,7 @@ def opuslm_layout(
         primary_stream_embedding=True,
         codec=CodecSpec(type="dac"),
         decoding=DecodingSpec(
-            modality_from_argmax=False,
+            parallel_segments=False,
             delay_warmup=True,
             min_audio_frames=min_audio_frames,
             drain=True,

@@ -60,6 +60,7 @@ from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig, write_xcodec_dir
 from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout, opuslm_layout
+from vllm_omni_speechlm.make_tiny import with_espnet_inference_config
 from vllm_omni_speechlm.espnet_bagpiper import split_export
 from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, FAMILIES, BackboneGeometry, backbone_config, write_served_lm
 from vllm_omni_speechlm.tokenizer import backbone_text_vocab, build_tokenizer, write_hf_tokenizer
@@ -254,6 +255,17 @@ def read_json(path: str, what: str) -> dict[str, Any]:
         raise _fail(f"{what} {path}: {e}") from None
 
 
+def read_yaml(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise _fail(f"{what} {path}: {e}") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(m), dict) for m in ("text", "audio")):
+        raise _fail(f"{what} {path}: expected text: and audio: sections (ESPnet's inference config)")
+    return data
+
+
 def qwen3_geometry(backbone: dict[str, Any] | None) -> tuple[BackboneGeometry, int]:
     """(geometry, text vocabulary size) from the backbone's config.json, or the released
     Qwen3-8B-Base's."""
@@ -296,8 +308,10 @@ def convert_bagpiper(
     text_tokenizer: str,
     backbone_config_path: str | None = None,
     codec_config_path: str | None = None,
+    inference_config_path: str | None = None,
 ) -> SpeechLMConfig:
-    """ESPnet's Bagpiper export -> a served directory (the layout: `bagpiper_layout`)."""
+    """ESPnet's Bagpiper export -> a served directory (the layout: `bagpiper_layout`; decoding
+    defaults from ESPnet's inference config, default: the released SFT one)."""
     backbone = read_json(backbone_config_path, "--backbone-config") if backbone_config_path else None
     geo, text_vocab = qwen3_geometry(backbone)
     codec_raw = XCodecDecoderConfig().to_xcodec_dict()  # the released geometry
@@ -305,6 +319,8 @@ def convert_bagpiper(
         codec_raw = read_json(codec_config_path, "--codec-config")
     codec_config = XCodecDecoderConfig.from_dict(codec_raw)
     layout = bagpiper_layout(text_vocab)
+    if inference_config_path:
+        layout = with_espnet_inference_config(layout, read_yaml(inference_config_path, "--inference-config"))
     weights, codec = split_export(load_bagpiper_export(checkpoint), layout, geo, codec_config)
     base = Tokenizer.from_file(text_tokenizer)
     try:
@@ -336,12 +352,15 @@ def main(argv: list[str] | None = None) -> None:
     bag = ap.add_argument_group("bagpiper")
     bag.add_argument("--codec-config", help="the X-Codec config.json (hf-audio/xcodec-hubert-general's; "
                      "default: the released geometry)")
+    bag.add_argument("--inference-config", help="ESPnet's inference YAML (its text: / audio: sections become the "
+                     "checkpoint's decoding defaults; default: the released conf/inference_sft.yaml)")
     a = ap.parse_args(argv)
     try:
         if a.family == "bagpiper":
             if a.codec or a.config:
                 ap.error("--codec / --config: opuslm only (Bagpiper's codec is inside its export)")
-            layout = convert_bagpiper(a.espnet_checkpoint, a.out, a.text_tokenizer, a.backbone_config, a.codec_config)
+            layout = convert_bagpiper(a.espnet_checkpoint, a.out, a.text_tokenizer, a.backbone_config, a.codec_config,
+                                      a.inference_config)
         else:
             if not a.codec:
                 ap.error(f"--codec is required for --family {a.family}")

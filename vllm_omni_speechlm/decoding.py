@@ -4,26 +4,29 @@ per-modality sampling and the random-number contract.
 Everything here is batched over rows (one row = one request's sampled position) and stays on the
 device: no host syncs, no branching on tensor values.
 
-Phase machine (one int per request, advanced by the sampled stream-0 token):
+Phase machine (per request: phase, steps in the phase, segments ended so far; advanced by the
+emitted stream-0 token). An answer is a run of segments, as ESPnet's ParallelLLM.inference
+decodes it: the prompt ends with <|assistant|>; a segment is a modality token (the output mode's
+enforced one, else the greedy choice of <|text|> / <|audio|>) and that modality's rows:
 
-    START --<|text|>--> TEXT --<|eot|>--> TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
-      |                                                                             |
-      +--<|audio|>--> AUDIO <--------------------- <|audio|> -----------------------+
-    any --<|eos|>--> DONE
+    START / AFTER_ASSISTANT --<|text|>--> TEXT, --<|audio|>--> AUDIO     (one mask per segment)
+    TEXT / AUDIO --<|eot|>, or eos / max length while an enforced modality is still to come-->
+        TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
+    TEXT / AUDIO --<|eos|>--> DONE;  --max length, nothing enforced left--> FINAL --(forced eos)--> DONE
     AUDIO --deferred eos--> DRAIN --(S-1 forced pads, then a forced <|eos|>)--> DONE   (drain families)
 
-The row kind (which mask and which modality's sampling a row gets) depends on the phase and the
-request's output mode. In AUTO mode free rows follow the released rule, read from the argmax of
-the raw stream-0 logits: a modality marker -> CHOOSE row, a codec token -> AUDIO row, else TEXT.
-The forced modes (TEXT only, AUDIO only, TEXT_AUDIO) decide by phase, so even a random model
-walks through every phase. Families without the argmax rule (`DecodingSpec`) decide by phase in
-AUTO mode too.
+eos and eot are masked before a segment's minimum length (text and audio alike); nothing is
+forced at its maximum. A segment's last row is fed back with streams 1..S-1 pad. An eos that
+does not end the answer is emitted as `DecodingSpec.deferred_eos` (vLLM stops on eos; the model
+embeds it as eos). The delay rules (OpusLM, `parallel_segments` false) keep eot out of audio,
+end a text part that audio follows with a forced eot at `max_text_tokens`, and drain.
 
-Each request also carries `phase_step`, the number of steps taken in its current phase (0 on the
-first row of a phase). The family rules of `DecodingSpec` read it: in AUDIO, stream s is forced
-to pad while phase_step < s (delay warm-up) and eos is masked while phase_step < min_audio_frames;
-in DRAIN (drain row d = phase_step + 1), stream 0 is forced to pad for d < S and to eos at d = S,
-and stream s >= 1 still samples its last frames while d < s.
+The row kind (which mask and which modality's sampling a row gets) follows from the phase, the
+output mode and the segment index; `phase_step` (0 on the first row of a phase) gives the
+minimum and maximum lengths and the family rules of `DecodingSpec`: in AUDIO, stream s is forced
+to pad while phase_step < s (delay warm-up); in DRAIN (drain row d = phase_step + 1), stream 0
+is forced to pad for d < S and to eos at d = S, and stream s >= 1 still samples its last frames
+while d < s.
 
 Tensors are compared with `int(...)` of the enums: torch.compile (the engine compiles this math
 on CUDA) folds `tensor == IntEnum` to a Python bool.
@@ -54,20 +57,24 @@ NEG_INF = float("-inf")
 
 
 class Phase(enum.IntEnum):
-    START = 0
+    START = 0  # the row after the prompt's <|assistant|>: the first segment's modality token
     TEXT = 1
-    TRANSITION = 2  # after <|eot|>: <|assistant|> is forced next
-    AFTER_ASSISTANT = 3
+    TRANSITION = 2  # a segment ended and another follows: <|assistant|> is forced next
+    AFTER_ASSISTANT = 3  # the next segment's modality token
     AUDIO = 4
     DONE = 5
     DRAIN = 6  # after the (deferred) eos of a drain family: streams 1..S-1 finish their frames
+    FINAL = 7  # the answer ended at a segment's max length: a forced eos row stops the request
 
 
 class OutputMode(enum.IntEnum):
-    AUTO = 0  # the model chooses (released behaviour)
-    TEXT = 1  # text only: the modality choice may only pick <|text|>; eos and eot stop
-    AUDIO = 2  # audio only: <|audio|> forced first
-    TEXT_AUDIO = 3  # a text answer, then its audio
+    """The modalities enforced on the answer's first segments (ESPnet's `enforce_modality`);
+    later segments (after an eot) take the model's greedy choice."""
+
+    AUTO = 0  # none enforced: the model chooses (released behaviour)
+    TEXT = 1  # [text]
+    AUDIO = 2  # [audio]
+    TEXT_AUDIO = 3  # [text, audio]: a text answer, then its audio
 
     @classmethod
     def parse(cls, value: "str | int | OutputMode") -> "OutputMode":
@@ -81,16 +88,26 @@ class OutputMode(enum.IntEnum):
 
 class RowKind(enum.IntEnum):
     TEXT = 0  # text, <|eot|> or <|eos|>
-    TEXT_NO_EOS = 1  # text or <|eot|> (TEXT_AUDIO mode must reach the audio)
+    TEXT_NO_EOS = 1  # text or <|eot|> (delay rules: a text part that audio follows)
     CHOOSE = 2  # a modality marker
-    AUDIO = 3  # stream 0 codes or <|eos|>; streams 1..S-1 sampled
+    AUDIO = 3  # stream 0 codes, <|eos|> (and <|eot|> under the parallel rules); streams 1..S-1 sampled
     FORCE_TEXT = 4
     FORCE_AUDIO = 5
     FORCE_ASSISTANT = 6
-    FORCE_EOT = 7  # the text budget (`max_text_tokens`) is spent
-    AUDIO_NO_EOS = 8  # an audio row before the minimum audio length
+    FORCE_EOT = 7  # delay rules: the text budget (`max_text_tokens`) is spent
+    AUDIO_NO_EOS = 8  # an audio row before the minimum audio length: no eos, no eot
     FORCE_PAD = 9  # a drain row: stream 0 is pad
-    FORCE_EOS = 10  # the drain is over
+    FORCE_EOS = 10  # the drain is over, or the answer ended at a max length
+    TEXT_NO_END = 11  # a text row before the minimum text length: no eos, no eot
+
+
+# Enforced modality of segment k (k = 0, 1) per output mode; CHOOSE where none is enforced.
+_ENFORCED = {
+    OutputMode.AUTO: (RowKind.CHOOSE, RowKind.CHOOSE),
+    OutputMode.TEXT: (RowKind.FORCE_TEXT, RowKind.CHOOSE),
+    OutputMode.AUDIO: (RowKind.FORCE_AUDIO, RowKind.CHOOSE),
+    OutputMode.TEXT_AUDIO: (RowKind.FORCE_TEXT, RowKind.FORCE_AUDIO),
+}
 
 
 def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
@@ -138,98 +155,93 @@ class DecodingRules:
 
     def __init__(self, cfg: SpeechLMConfig, device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.parallel = cfg.decoding.parallel_segments
         sp, v = cfg.specials, cfg.vocab_size
         allowed = torch.zeros(len(RowKind), v, dtype=torch.bool)
-        allowed[RowKind.TEXT, slice(*cfg.text_range)] = True
+        allowed[RowKind.TEXT_NO_END, slice(*cfg.text_range)] = True
+        allowed[RowKind.TEXT] = allowed[RowKind.TEXT_NO_END]
         allowed[RowKind.TEXT, [sp.eot, sp.eos]] = True
         allowed[RowKind.TEXT_NO_EOS] = allowed[RowKind.TEXT]
         allowed[RowKind.TEXT_NO_EOS, sp.eos] = False
         allowed[RowKind.CHOOSE, [sp.text, sp.audio]] = True
         s0 = cfg.streams[0]
-        allowed[RowKind.AUDIO, s0.vocab_start : s0.vocab_end] = True
-        allowed[RowKind.AUDIO, sp.eos] = True
+        allowed[RowKind.AUDIO_NO_EOS, s0.vocab_start : s0.vocab_end] = True
+        allowed[RowKind.AUDIO] = allowed[RowKind.AUDIO_NO_EOS]
+        allowed[RowKind.AUDIO, [sp.eos, sp.eot] if self.parallel else sp.eos] = True
         allowed[RowKind.FORCE_TEXT, sp.text] = True
         allowed[RowKind.FORCE_AUDIO, sp.audio] = True
         allowed[RowKind.FORCE_ASSISTANT, sp.assistant] = True
         allowed[RowKind.FORCE_EOT, sp.eot] = True
-        allowed[RowKind.AUDIO_NO_EOS] = allowed[RowKind.AUDIO]
-        allowed[RowKind.AUDIO_NO_EOS, sp.eos] = False
         allowed[RowKind.FORCE_PAD, sp.pad] = True
         allowed[RowKind.FORCE_EOS, sp.eos] = True
         # Additive masks: 0 where allowed, -inf elsewhere.
         self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
         # Every id a non-text row may take (stream 0's codec slice and specials, ~1k of ~160k):
         # batches without text rows are masked, top-k'd and scaled on these columns only.
-        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_EOS]
+        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_EOS, RowKind.TEXT_NO_END]
         narrow = allowed[[k for k in RowKind if k not in text_kinds]].any(dim=0)
         self.non_text_columns = narrow.nonzero().squeeze(1).to(device)
         self.non_text_mask_bias = self.mask_bias[:, self.non_text_columns]
         self._tables(device)
 
     def _tables(self, device) -> None:
-        # kind_by_phase[mode, phase]; -1 marks "read the modality from the logits" (AUTO).
         P, M, K = Phase, OutputMode, RowKind
+        cfg, sp, dec = self.cfg, self.cfg.specials, self.cfg.decoding
+        # kind_by_phase[mode, phase] inside segments and between them; the modality rows
+        # (START, AFTER_ASSISTANT) take `enforced[mode, segment]`.
         table = torch.full((len(M), len(P)), int(K.TEXT), dtype=torch.long)
-        table[M.AUTO, [P.START, P.AFTER_ASSISTANT]] = K.CHOOSE
-        table[M.AUTO, [P.TEXT, P.AUDIO]] = -1
-        table[M.TEXT, P.START] = K.FORCE_TEXT
-        table[M.AUDIO, [P.START, P.AFTER_ASSISTANT]] = K.FORCE_AUDIO
-        table[M.AUDIO, P.AUDIO] = K.AUDIO
-        table[M.TEXT_AUDIO, P.START] = K.FORCE_TEXT
-        table[M.TEXT_AUDIO, P.TEXT] = K.TEXT_NO_EOS
-        table[M.TEXT_AUDIO, P.AFTER_ASSISTANT] = K.FORCE_AUDIO
-        table[M.TEXT_AUDIO, P.AUDIO] = K.AUDIO
+        table[:, P.AUDIO] = K.AUDIO
+        if not self.parallel:
+            table[M.TEXT_AUDIO, P.TEXT] = K.TEXT_NO_EOS
         table[:, P.TRANSITION] = K.FORCE_ASSISTANT
         table[:, P.DRAIN] = K.FORCE_PAD  # FORCE_EOS once the drain is over (row_kinds)
-        if not self.cfg.decoding.modality_from_argmax:
-            table[M.AUTO, P.TEXT], table[M.AUTO, P.AUDIO] = K.TEXT, K.AUDIO
+        table[:, P.FINAL] = K.FORCE_EOS
         self.kind_by_phase = table.to(device)
+        enforced = torch.tensor([[int(k) for k in (*_ENFORCED[m], K.CHOOSE)] for m in M], dtype=torch.long)
+        self.enforced = enforced.to(device)  # [mode, segment clamped to 2]
+        self.num_enforced = torch.tensor([sum(k != K.CHOOSE for k in _ENFORCED[m]) for m in M], device=device)
         # Aux stream index s (1..S-1) of each aux column, for the warm-up and drain rules.
-        self.aux_index = torch.arange(1, self.cfg.num_streams, device=device)
-        # Modality read from a raw argmax (AUTO free rows).
-        cfg, sp = self.cfg, self.cfg.specials
-        by_token = torch.full((cfg.vocab_size,), int(K.TEXT), dtype=torch.long)
-        by_token[cfg.codec_start : cfg.codec_end] = K.AUDIO
-        by_token[[sp.text, sp.audio]] = K.CHOOSE
-        self.kind_by_argmax = by_token.to(device)
-        # Next phase by sampled token; -1 keeps the current phase.
+        self.aux_index = torch.arange(1, cfg.num_streams, device=device)
+        # Next phase by emitted token; -1 keeps the current phase.
         nxt = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         nxt[slice(*cfg.text_range)] = P.TEXT
         nxt[cfg.codec_start : cfg.codec_end] = P.AUDIO
         nxt[sp.text], nxt[sp.audio] = P.TEXT, P.AUDIO
         nxt[sp.eot], nxt[sp.assistant], nxt[sp.eos] = P.TRANSITION, P.AFTER_ASSISTANT, P.DONE
-        dec = cfg.decoding
-        if dec.drain:
-            nxt[dec.deferred_eos] = P.DRAIN
+        if dec.deferred_eos is not None:  # drain: the audio's eos; parallel: an eos the answer outlives
+            nxt[dec.deferred_eos] = P.DRAIN if dec.drain else P.TRANSITION
         self.phase_by_token = nxt.to(device)
-        # What a sampled eos is emitted as, per phase: the deferred id in AUDIO (drain families).
-        eos_as = torch.full((len(P),), sp.eos, dtype=torch.long)
+        # Whether a sampled eos is emitted deferred, per phase (drain families: in AUDIO).
+        defer = torch.zeros(len(P), dtype=torch.bool)
         if dec.drain:
-            eos_as[P.AUDIO] = dec.deferred_eos
-        self.eos_by_phase = eos_as.to(device)
+            defer[P.AUDIO] = True
+        self.defer_eos_by_phase = defer.to(device)
 
     # ---- phases ---------------------------------------------------------------------------
     def row_kinds(
         self,
         phase: torch.Tensor,
         mode: torch.Tensor,
-        raw_logits: torch.Tensor,
-        generated: torch.Tensor,
+        segment: torch.Tensor,
+        phase_step: torch.Tensor,
         p: "RowSampling",
-        phase_step: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[N] phase, [N] mode, [N, V] raw stream-0 logits, [N] tokens generated so far, [N] steps
-        in the current phase -> [N] RowKind. Text may fill the answer up to output index
-        `max_text_tokens`; then <|eot|> is forced."""
+        """[N] phase, mode, segment index, steps in the current phase -> [N] RowKind. A segment's
+        modality row is its enforced modality or the model's choice; inside a segment the kind
+        follows the segment's modality (one mask per segment), with eos and eot masked before
+        the segment's minimum length."""
         kind = self.kind_by_phase[mode, phase]
-        from_logits = self.kind_by_argmax[raw_logits.argmax(dim=-1)]
-        kind = torch.where(kind < 0, from_logits, kind)
-        over_budget = (phase == int(Phase.TEXT)) & (generated > p.max_text_tokens)
+        choosing = (phase == int(Phase.START)) | (phase == int(Phase.AFTER_ASSISTANT))
+        kind = torch.where(choosing, self.enforced[mode, segment.clamp(max=2)], kind)
+        text = (kind == int(RowKind.TEXT)) | (kind == int(RowKind.TEXT_NO_EOS))
+        kind = torch.where(text & (phase_step < p.min_text), int(RowKind.TEXT_NO_END), kind)
+        # Delay rules only: a text part over budget gets a forced eot (under the parallel rules
+        # the segment has already ended there, see `step`).
+        over_budget = (phase == int(Phase.TEXT)) & (phase_step >= p.max_text)
         kind = torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
-        if phase_step is None:
-            return kind
         dec, s = self.cfg.decoding, self.cfg.num_streams
-        too_short = (kind == int(RowKind.AUDIO)) & (phase == int(Phase.AUDIO)) & (phase_step < dec.min_audio_frames)
+        min_audio = p.min_audio.clamp(min=dec.min_audio_frames)
+        too_short = (kind == int(RowKind.AUDIO)) & (phase_step < min_audio)
         kind = torch.where(too_short, int(RowKind.AUDIO_NO_EOS), kind)
         drained = (phase == int(Phase.DRAIN)) & (phase_step >= s - 1)
         return torch.where(drained, int(RowKind.FORCE_EOS), kind)
@@ -244,28 +256,59 @@ class DecodingRules:
         draining = (kind == int(RowKind.FORCE_PAD))[:, None] & (step + 1 < self.aux_index)
         return (audio[:, None] & warm) | draining
 
-    def emitted_token(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """[N] phase, [N] sampled stream-0 token -> the token the request emits: a drain
-        family's first eos becomes the deferred eos (vLLM stops on eos; the drain must run)."""
-        sp = self.cfg.specials
-        return torch.where(token == sp.eos, self.eos_by_phase[phase], token)
+    def _in_segment(self, phase: torch.Tensor) -> torch.Tensor:
+        return (phase == int(Phase.TEXT)) | (phase == int(Phase.AUDIO))
 
-    def advance(self, phase: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """[N] phase, [N] emitted stream-0 token -> [N] next phase."""
+    def _more_enforced(self, mode: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+        """[N] bool: an enforced modality is still to come after the current segment."""
+        return segment + 1 < self.num_enforced[mode]
+
+    def emitted_token(self, phase: torch.Tensor, mode: torch.Tensor, segment: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """[N] phase, mode, segment, sampled stream-0 token -> the token the request emits: an
+        eos that must not stop the request (vLLM stops on eos) is emitted as the deferred eos:
+        a drain family's audio eos, or (parallel rules) the eos of a segment that an enforced
+        one follows."""
+        defer = self.defer_eos_by_phase[phase]
+        if self.parallel:
+            defer = defer | (self._in_segment(phase) & self._more_enforced(mode, segment))
+        deferred = self.cfg.decoding.deferred_eos
+        return torch.where((token == self.cfg.specials.eos) & defer, -1 if deferred is None else deferred, token)
+
+    def step(
+        self,
+        phase: torch.Tensor,
+        phase_step: torch.Tensor,
+        mode: torch.Tensor,
+        segment: torch.Tensor,
+        token: torch.Tensor,
+        p: "RowSampling",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N] phase, phase step, mode, segment, emitted token -> next (phase, phase step,
+        segment) and [N] bool: the row ended its segment (parallel rules: it is fed back with
+        streams 1..S-1 pad, as ESPnet feeds a segment's last token)."""
         nxt = self.phase_by_token[token]
-        return torch.where(nxt < 0, phase, nxt)
+        nxt = torch.where(nxt < 0, phase, nxt)
+        in_segment = self._in_segment(phase)
+        if self.parallel:
+            # A segment ends by itself after its max length: another follows only while an
+            # enforced modality is still to come; else the answer is over (one forced eos row).
+            limit = torch.where(phase == int(Phase.AUDIO), p.max_audio, p.max_text)
+            at_max = in_segment & (nxt == phase) & (phase_step + 1 >= limit)
+            after = torch.where(self._more_enforced(mode, segment), int(Phase.TRANSITION), int(Phase.FINAL))
+            nxt = torch.where(at_max, after, nxt)
+        ended = in_segment & (nxt != phase)
+        step = torch.where(nxt == phase, phase_step + 1, 0)
+        return nxt, step, segment + ended.long(), ended & self.parallel
 
-    def step(self, phase: torch.Tensor, phase_step: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N] phase, [N] phase step, [N] emitted token -> next (phase, phase step)."""
-        nxt = self.advance(phase, token)
-        return nxt, torch.where(nxt == phase, phase_step + 1, 0)
-
-    def replay(self, tokens: list[int]) -> Phase:
-        """Phase after a token history (e.g. a preempted request's outputs)."""
-        phase = torch.tensor([int(Phase.START)])
+    def replay(self, tokens: list[int], mode: OutputMode, p: "RowSampling") -> tuple[Phase, int, int]:
+        """(phase, phase step, segment) after an emitted token history (e.g. a preempted request's
+        outputs)."""
+        state = torch.tensor([int(Phase.START)]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        m = torch.tensor([int(mode)])
         for tok in tokens:
-            phase = self.advance(phase, torch.tensor([tok]))
-        return Phase(int(phase))
+            phase, phase_step, segment, _ = self.step(state[0], state[1], m, state[2], torch.tensor([tok]), p)
+            state = phase, phase_step, segment
+        return Phase(int(state[0])), int(state[1]), int(state[2])
 
     # ---- sampling ------------------------------------------------------------------------
     def process_primary_logits(
@@ -277,6 +320,8 @@ class DecodingRules:
         audio-only batch) does the work on `non_text_columns` only, with the same result."""
         is_audio = is_audio_row(kind)
         top_k = torch.where(is_audio, p.audio_top_k, p.text_top_k)
+        if self.parallel:  # ESPnet takes the argmax of the modality tokens, whatever the temperature
+            top_k = torch.where(kind == int(RowKind.CHOOSE), 1, top_k)
         scale = torch.where(is_audio, p.audio_scale, p.text_scale)[:, None]
         if not no_text_rows:
             return apply_top_k(raw.float() + self.mask_bias[kind], top_k, p.max_top_k) * scale
@@ -315,7 +360,14 @@ class RowValues(NamedTuple):
     text_scale: float  # T_engine / T_text (1 when greedy)
     audio_scale: float
     audio_divisor: float  # temperature the aux streams divide by (1 when greedy)
-    max_text_tokens: int
+    min_text: int  # segment lengths (rows): eos / eot masked before the minimum
+    max_text: int
+    min_audio: int
+    max_audio: int
+
+
+INT_FIELDS = ("text_top_k", "audio_top_k", "min_text", "max_text", "min_audio", "max_audio")
+FLOAT_FIELDS = ("text_scale", "audio_scale", "audio_divisor")
 
 
 @dataclass
@@ -327,14 +379,21 @@ class RowSampling:
     text_scale: torch.Tensor  # T_engine / T_text (1 when greedy)
     audio_scale: torch.Tensor
     audio_divisor: torch.Tensor  # temperature the aux streams divide by (1 when greedy)
-    max_text_tokens: torch.Tensor
+    min_text: torch.Tensor
+    max_text: torch.Tensor
+    min_audio: torch.Tensor
+    max_audio: torch.Tensor
     max_top_k: int
 
     @classmethod
-    def from_values(cls, values: list[RowValues], device) -> "RowSampling":
-        ints = torch.tensor([(v.text_top_k, v.audio_top_k, v.max_text_tokens) for v in values], dtype=torch.long, device=device)
-        floats = torch.tensor([(v.text_scale, v.audio_scale, v.audio_divisor) for v in values], dtype=torch.float32, device=device)
-        ints, floats = ints.reshape(-1, 3), floats.reshape(-1, 3)
-        max_k = max(max(v.text_top_k, v.audio_top_k) for v in values)
-        return cls(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_k)
+    def from_tables(cls, ints: torch.Tensor, floats: torch.Tensor, max_top_k: int) -> "RowSampling":
+        """[N, len(INT_FIELDS)] and [N, len(FLOAT_FIELDS)] columns in those orders."""
+        named = {n: ints[:, i] for i, n in enumerate(INT_FIELDS)} | {n: floats[:, i] for i, n in enumerate(FLOAT_FIELDS)}
+        return cls(**named, max_top_k=max_top_k)
 
+    @classmethod
+    def from_values(cls, values: list[RowValues], device) -> "RowSampling":
+        ints = torch.tensor([[getattr(v, n) for n in INT_FIELDS] for v in values], dtype=torch.long, device=device)
+        floats = torch.tensor([[getattr(v, n) for n in FLOAT_FIELDS] for v in values], dtype=torch.float32, device=device)
+        max_k = max(max(v.text_top_k, v.audio_top_k) for v in values)
+        return cls.from_tables(ints.reshape(-1, len(INT_FIELDS)), floats.reshape(-1, len(FLOAT_FIELDS)), max_k)

@@ -28,7 +28,10 @@ def stage0_sampling_params(cfg: SpeechLMConfig, p: SpeechSamplingParams, **overr
     rescales text rows). `overrides`: other SamplingParams fields (e.g. output_kind)."""
     from vllm import SamplingParams
 
-    stop = [cfg.specials.eot] if p.modality == OutputMode.TEXT else []
+    # Delay rules: a text-only answer stops at eot. Parallel rules: the answer goes on after an
+    # eot, and the model emits eos where it ends (DecodingSpec).
+    text_stops_at_eot = p.modality == OutputMode.TEXT and not cfg.decoding.parallel_segments
+    stop = [cfg.specials.eot] if text_stops_at_eot else []
     fields = dict(
         temperature=p.engine_temperature,
         top_k=0,

@@ -130,7 +130,7 @@ class SpeechLMGenerator:
         every stream of every step).
 
         `sampling`: cfg_scale, text_temperature, text_top_k, audio_temperature, audio_top_k,
-        max_tokens, max_text_tokens, seed (see SpeechSamplingParams). `text_only=True` is
+        max_tokens, min/max_text_tokens, min/max_audio_frames, seed (see SpeechSamplingParams). `text_only=True` is
         `modality="text"`; modality defaults to "auto" (the model chooses)."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, list) or not prompts:

@@ -19,12 +19,14 @@ skips. `--espnet-export` writes that export itself: `model.pth` (`{"module": sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import yaml
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -38,6 +40,7 @@ from vllm_omni_speechlm.codec.xcodec import (
 )
 from vllm_omni_speechlm.config import (
     AUDIO_ADAPTOR_PREFIX,
+    espnet_modality_sampling,
     AUDIO_TOWER_PREFIX,
     SPEECHLM_KEY,
     SpeechLMConfig,
@@ -87,10 +90,31 @@ class Family:
     rms_norm_eps: float
 
 
+# The tiny Bagpiper's decoding defaults, as an ESPnet inference config (the tiny export carries it
+# as inference.yaml): the released temperatures and top-k, no guidance; audio runs until the
+# request's max_tokens unless the request lowers min_audio_frames (the tiny model's eos is strong:
+# streaming and preemption tests need long clips).
+TINY_BAGPIPER_INFERENCE = {
+    "text": {"temperature": 0.6, "topk": 20, "cfg": 1, "min_step": 1, "max_step": 8192},
+    "audio": {"temperature": 0.8, "topk": 20, "cfg": 1, "min_step": 2048, "max_step": 2048},
+}
+
+
+def with_espnet_inference_config(layout: SpeechLMConfig, inference: dict) -> SpeechLMConfig:
+    """`layout` with the decoding defaults of an ESPnet inference config (`text:` / `audio:`)."""
+    return dataclasses.replace(
+        layout,
+        text_sampling=espnet_modality_sampling(inference["text"]),
+        audio_sampling=espnet_modality_sampling(inference["audio"]),
+    )
+
+
+def tiny_bagpiper_layout(text_vocab_size: int) -> SpeechLMConfig:
+    return with_espnet_inference_config(bagpiper_layout(text_vocab_size), TINY_BAGPIPER_INFERENCE)
+
+
 FAMILIES = {
-    "bagpiper": Family(
-        "qwen3", "BagpiperForCausalLM", lambda n: bagpiper_layout(text_vocab_size=n), write_tiny_xcodec, 1e6, 1e-6
-    ),
+    "bagpiper": Family("qwen3", "BagpiperForCausalLM", tiny_bagpiper_layout, write_tiny_xcodec, 1e6, 1e-6),
     "opuslm": Family(
         "olmo2",
         "OpusLMForCausalLM",
@@ -185,15 +209,23 @@ def random_weights(
         "lm_head.weight": randn(layout.vocab_size, h, std=0.5),
         "stream_embeddings.weight": stream_emb,
     }
+    # ESPnet builds the embedding with padding_idx 0: the pad row starts at zero and gets no
+    # gradient, so a released checkpoint's row 0 is zero (pad streams and the CFG branch's
+    # all-pad context embed to nothing).
+    w["model.embed_tokens.weight"][layout.specials.pad] = 0.0
     if layout.decoding.drain:
-        # ESPnet's embedding has padding_idx 0 (a zero pad vector); a stronger eos row makes the
-        # random model end its audio within tens of steps, so tests exercise the drain.
-        w["model.embed_tokens.weight"][layout.specials.pad] = 0.0
+        # A stronger eos row makes the random model end its audio within tens of steps, so
+        # tests exercise the drain.
         w["lm_head.weight"][layout.specials.eos] *= TINY_EOS_BOOST
+    else:
+        # Stronger eos and eot rows: segments end by themselves within tens of steps, so tests
+        # exercise minimum lengths and the answer going on after <|eot|>, not only max lengths.
+        w["lm_head.weight"][[layout.specials.eos, layout.specials.eot]] *= TINY_SEGMENT_END_BOOST
     return {k: v.contiguous() for k, v in w.items()}
 
 
 TINY_EOS_BOOST = 2.0
+TINY_SEGMENT_END_BOOST = 3.0
 
 
 def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, speech: bool = True) -> None:
@@ -258,6 +290,7 @@ TINY_AUDIO_TOWER = dict(
 EXPORT_CHECKPOINT = "model.pth"
 EXPORT_BACKBONE = "backbone"  # the Qwen3 directory `model_hf_tag` names: config.json, tokenizer.json
 EXPORT_CODEC_CONFIG = os.path.join("xcodec", "config.json")  # hf-audio/xcodec-hubert-general's
+EXPORT_INFERENCE_CONFIG = "inference.yaml"  # ESPnet's inference config (conf/inference_sft.yaml's keys)
 
 
 def _meta_shapes(build: Callable[[], torch.nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -337,6 +370,7 @@ def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dic
         "backbone_config": os.path.join(out_dir, EXPORT_BACKBONE, "config.json"),
         "text_tokenizer": os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer.json"),
         "codec_config": os.path.join(out_dir, EXPORT_CODEC_CONFIG),
+        "inference_config": os.path.join(out_dir, EXPORT_INFERENCE_CONFIG),
     }
     for path in paths.values():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -344,8 +378,14 @@ def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dic
     with open(paths["backbone_config"], "w") as f:
         json.dump(tiny_qwen3_config(geo, layout.text_range[1] - layout.text_range[0]), f, indent=2, sort_keys=True)
     tiny_text_tokenizer().save(paths["text_tokenizer"])
+    # As a Hugging Face model directory has it: without it, transformers would load the tokenizer
+    # as Qwen2's class, which adds its own <|endoftext|> and so one more text id than the model has.
+    with open(os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
     with open(paths["codec_config"], "w") as f:
         json.dump(tiny_xcodec_config(), f, indent=2, sort_keys=True)
+    with open(paths["inference_config"], "w") as f:
+        yaml.safe_dump(TINY_BAGPIPER_INFERENCE, f)
     return paths
 
 

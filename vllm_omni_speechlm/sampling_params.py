@@ -34,6 +34,10 @@ def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
     return value
 
 
+UNBOUNDED = 1 << 40  # a segment length no request reaches (max_tokens bounds the answer)
+SEGMENT_LIMITS = ("min_text_tokens", "max_text_tokens", "min_audio_frames", "max_audio_frames")
+
+
 @dataclass(frozen=True)
 class SpeechSamplingParams:
     """Options of one request. `None` fields take the checkpoint's defaults in `resolve`."""
@@ -43,9 +47,14 @@ class SpeechSamplingParams:
     text_top_k: int | None = None
     audio_temperature: float | None = None
     audio_top_k: int | None = None
-    cfg_scale: float = 1.0  # 1 = no guidance
+    cfg_scale: float | None = None  # guidance of audio segments; 1 = none
     max_tokens: int = 1024  # stream-0 tokens, forced ones and the final eos included
-    max_text_tokens: int | None = None  # text may fill the answer up to this index, then <|eot|>
+    # Rows of each text / audio segment: eos and eot are masked before the minimum; a segment
+    # ends by itself at the maximum (None: the checkpoint's; a maximum of 0 there: no bound).
+    min_text_tokens: int | None = None
+    max_text_tokens: int | None = None
+    min_audio_frames: int | None = None
+    max_audio_frames: int | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -56,29 +65,41 @@ class SpeechSamplingParams:
         for name in ("text_top_k", "audio_top_k"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), -1)
-        object.__setattr__(self, "cfg_scale", _number("cfg_scale", self.cfg_scale, 1.0, MAX_CFG_SCALE))
+        if self.cfg_scale is not None:
+            object.__setattr__(self, "cfg_scale", _number("cfg_scale", self.cfg_scale, 1.0, MAX_CFG_SCALE))
         _integer("max_tokens", self.max_tokens, 1)
-        if self.max_text_tokens is not None:
-            _integer("max_text_tokens", self.max_text_tokens, 1)
+        for name in SEGMENT_LIMITS:
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 1 if name.startswith("max") else 0)
         if self.seed is not None:
             _integer("seed", self.seed, 0, 2**63 - 1)
 
     def resolve(self, cfg: SpeechLMConfig) -> SpeechSamplingParams:
         """Fill unset fields from the checkpoint's per-modality defaults."""
-        if self.use_cfg and not cfg.decoding.guidance:
-            raise ValueError(f"cfg_scale: the {cfg.family} family has no classifier-free guidance (use 1.0)")
         t, a = cfg.text_sampling, cfg.audio_sampling
-        return dataclasses.replace(
+
+        def pick(value, default):
+            return default if value is None else value
+
+        p = dataclasses.replace(
             self,
-            text_temperature=t.temperature if self.text_temperature is None else self.text_temperature,
-            text_top_k=t.top_k if self.text_top_k is None else self.text_top_k,
-            audio_temperature=a.temperature if self.audio_temperature is None else self.audio_temperature,
-            audio_top_k=a.top_k if self.audio_top_k is None else self.audio_top_k,
+            text_temperature=pick(self.text_temperature, t.temperature),
+            text_top_k=pick(self.text_top_k, t.top_k),
+            audio_temperature=pick(self.audio_temperature, a.temperature),
+            audio_top_k=pick(self.audio_top_k, a.top_k),
+            cfg_scale=pick(self.cfg_scale, a.cfg_scale if cfg.decoding.guidance else 1.0),
+            min_text_tokens=pick(self.min_text_tokens, t.min_steps),
+            max_text_tokens=pick(self.max_text_tokens, t.max_steps or None),
+            min_audio_frames=pick(self.min_audio_frames, a.min_steps),
+            max_audio_frames=pick(self.max_audio_frames, a.max_steps or None),
         )
+        if p.use_cfg and not cfg.decoding.guidance:
+            raise ValueError(f"cfg_scale: the {cfg.family} family has no classifier-free guidance (use 1.0)")
+        return p
 
     @property
     def use_cfg(self) -> bool:
-        return self.cfg_scale != 1.0
+        return self.cfg_scale is not None and self.cfg_scale != 1.0
 
     @property
     def engine_temperature(self) -> float:
@@ -95,8 +116,8 @@ class SpeechSamplingParams:
 
         tk, ts = k_and_scale(self.text_temperature, self.text_top_k)
         ak, as_ = k_and_scale(self.audio_temperature, self.audio_top_k)
-        text_budget = self.max_text_tokens if self.max_text_tokens is not None else self.max_tokens
-        return RowValues(tk, ak, ts, as_, self.audio_temperature or 1.0, text_budget)
+        limits = [UNBOUNDED if v is None else v for v in (getattr(self, n) for n in SEGMENT_LIMITS)]
+        return RowValues(tk, ak, ts, as_, self.audio_temperature or 1.0, *limits)
 
     def to_info(self) -> dict[str, Any]:
         """The wire form, for the stage-0 prompt's additional information: the options as plain

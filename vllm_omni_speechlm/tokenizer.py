@@ -144,7 +144,10 @@ def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: s
     sp = cfg.specials
 
     def turn(role: int, text: str) -> list[int]:
-        return [role, sp.text, *_encode(tokenizer, text), sp.eos]
+        ids = _encode(tokenizer, text)
+        if cfg.prompt_text_zero_is_pad:  # as the model was trained (SpeechLMConfig)
+            ids = [sp.pad if t == cfg.text_range[0] else t for t in ids]
+        return [role, sp.text, *ids, sp.eos]
 
     ids = [sp.bos]
     if system:

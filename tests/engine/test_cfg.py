@@ -159,7 +159,8 @@ def test_random_cfg_and_aborts_leave_nothing(generator):
 
 def test_preempted_pairs_equal_reference(tiny_bagpiper, reference):
     prompts = [f"Please read sentence number {i} aloud." for i in range(4)]
-    kws = [dict(modality="text+audio", max_text_tokens=6, max_tokens=200, seed=21, cfg_scale=3.0) for i in range(4)]
+    kws = [dict(modality="text+audio", max_text_tokens=6, max_tokens=200, seed=21, cfg_scale=3.0,
+               min_audio_frames=200) for i in range(4)]
     with _generator(tiny_bagpiper, **SMALL_KV) as gen:
         results = _run_batch(gen, list(zip(prompts, kws)))
         live, companions, resumed = _state(gen)

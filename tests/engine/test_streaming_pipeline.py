@@ -117,7 +117,7 @@ def test_concurrent_requests_no_crosstalk(gen, reference):
     where the audio starts): each stream equals its own whole clip."""
     batch = []
     for i, prompt in enumerate(PROMPTS):
-        kw = dict(modality="text+audio", max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
+        kw = dict(modality="text+audio", min_text_tokens=2 + 12 * i, max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
         batch.append((*_request(gen, prompt, **kw), kw))
     chunks = _stream(gen, [b[:3] for b in batch])
     assert sorted(chunks) == [0, 1, 2, 3]

@@ -42,7 +42,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def _convert_cli(files: dict, out: str) -> subprocess.CompletedProcess:
     return _run(sys.executable, "-m", "vllm_omni_speechlm.convert", "--family", "bagpiper",
                 "--espnet-checkpoint", files["checkpoint"], "--backbone-config", files["backbone_config"],
-                "--text-tokenizer", files["text_tokenizer"], "--codec-config", files["codec_config"], "--out", out)
+                "--text-tokenizer", files["text_tokenizer"], "--codec-config", files["codec_config"],
+                "--inference-config", files["inference_config"], "--out", out)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,8 @@ def test_stream_embedding_zero_is_forced(tmp_path, export, reference):
     files = dict(export, checkpoint=str(tmp_path / "model.pth"))
     torch.save(saved, files["checkpoint"])
     out = str(tmp_path / "converted")
-    convert_bagpiper(files["checkpoint"], out, files["text_tokenizer"], files["backbone_config"], files["codec_config"])
+    convert_bagpiper(files["checkpoint"], out, files["text_tokenizer"], files["backbone_config"], files["codec_config"],
+                     files["inference_config"])
     assert (load_file(os.path.join(out, "model.safetensors"))["stream_embeddings.weight"][0] == 0).all()
     converted = ReferenceSpeechLM(out)
     ids = encode_prompt(reference.tokenizer, reference.cfg, "Say hello.", system="Be brief.")

@@ -23,40 +23,61 @@ def _peaked(token: int) -> torch.Tensor:
     return logits
 
 
-def test_auto_mode_reads_the_modality_from_the_raw_argmax():
-    text_tok, code_tok = CFG.text_range[0] + 5, CFG.codec_start + 9
-    raw = torch.stack([_peaked(SP.audio), _peaked(code_tok), _peaked(text_tok), _peaked(SP.eos)])
-    phase = torch.full((4,), int(P.TEXT))
-    mode = torch.full((4,), int(M.AUTO))
-    rows = _rows(*[SpeechSamplingParams()] * 4)
-    kinds = RULES.row_kinds(phase, mode, raw, torch.zeros(4, dtype=torch.long), rows)
-    assert kinds.tolist() == [K.CHOOSE, K.AUDIO, K.TEXT, K.TEXT]
+def _kinds(phase, mode, segment, phase_step, *params):
+    n = len(phase)
+    rows = _rows(*(params or [SpeechSamplingParams()] * n))
+    t = lambda v: torch.tensor([int(x) for x in v])  # noqa: E731
+    return RULES.row_kinds(t(phase), t(mode), t(segment), t(phase_step), rows).tolist()
 
 
-def test_forced_modes_ignore_the_logits():
-    raw = _peaked(CFG.codec_start).expand(5, -1)
-    phase = torch.tensor([P.START, P.START, P.TEXT, P.TRANSITION, P.AFTER_ASSISTANT])
-    mode = torch.tensor([M.TEXT, M.AUDIO, M.TEXT_AUDIO, M.TEXT_AUDIO, M.TEXT_AUDIO])
-    rows = _rows(*[SpeechSamplingParams()] * 5)
-    kinds = RULES.row_kinds(phase, mode, raw, torch.zeros(5, dtype=torch.long), rows)
-    assert kinds.tolist() == [K.FORCE_TEXT, K.FORCE_AUDIO, K.TEXT_NO_EOS, K.FORCE_ASSISTANT, K.FORCE_AUDIO]
+def test_modality_rows_take_the_enforced_modality_else_the_choice():
+    phase = [P.START, P.START, P.START, P.AFTER_ASSISTANT, P.AFTER_ASSISTANT, P.AFTER_ASSISTANT]
+    mode = [M.AUTO, M.TEXT, M.TEXT_AUDIO, M.TEXT_AUDIO, M.TEXT_AUDIO, M.AUDIO]
+    segment = [0, 0, 0, 1, 2, 1]
+    assert _kinds(phase, mode, segment, [0] * 6) == [K.CHOOSE, K.FORCE_TEXT, K.FORCE_TEXT, K.FORCE_AUDIO, K.CHOOSE, K.CHOOSE]
 
 
-def test_text_budget_forces_eot():
-    rows = _rows(SpeechSamplingParams(max_text_tokens=3), SpeechSamplingParams(max_text_tokens=3))
-    phase, mode = torch.tensor([P.TEXT, P.TEXT]), torch.tensor([M.TEXT_AUDIO, M.TEXT_AUDIO])
-    kinds = RULES.row_kinds(phase, mode, torch.zeros(2, CFG.vocab_size), torch.tensor([3, 4]), rows)
-    assert kinds.tolist() == [K.TEXT_NO_EOS, K.FORCE_EOT]
+def test_one_mask_per_segment_with_minimum_lengths():
+    """Inside a segment the kind is the segment's modality (no re-classification); eos and eot
+    are masked before the segment's minimum length, in text and audio alike."""
+    p = SpeechSamplingParams(min_text_tokens=2, min_audio_frames=3)
+    phase = [P.TEXT, P.TEXT, P.AUDIO, P.AUDIO, P.TRANSITION]
+    kinds = _kinds(phase, [M.AUTO] * 5, [0] * 5, [1, 2, 2, 3, 0], *[p] * 5)
+    assert kinds == [K.TEXT_NO_END, K.TEXT, K.AUDIO_NO_EOS, K.AUDIO, K.FORCE_ASSISTANT]
 
 
-def test_phase_transitions_and_replay():
-    history = [SP.text, CFG.text_range[0], SP.eot, SP.assistant, SP.audio, CFG.codec_start + 3]
-    expected = [P.TEXT, P.TEXT, P.TRANSITION, P.AFTER_ASSISTANT, P.AUDIO, P.AUDIO]
-    phase = torch.tensor([int(P.START)])
-    for tok, want in zip(history, expected):
-        phase = RULES.advance(phase, torch.tensor([tok]))
-        assert int(phase) == want
-    assert RULES.replay(history + [SP.eos]) == P.DONE
+def _walk(mode: OutputMode, tokens: list[int], p: SpeechSamplingParams):
+    """Emitted tokens -> [(phase, segment, ended)] after each."""
+    rows = _rows(p)
+    phase, step, seg = torch.tensor([int(P.START)]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    m, out = torch.tensor([int(mode)]), []
+    for tok in tokens:
+        tok = RULES.emitted_token(phase, m, seg, torch.tensor([tok]))
+        phase, step, seg, ended = RULES.step(phase, step, m, seg, tok, rows)
+        out.append((int(tok), int(phase), int(seg), bool(ended)))
+    return out
+
+
+def test_eos_of_a_text_part_goes_on_to_the_enforced_audio():
+    walk = _walk(M.TEXT_AUDIO, [SP.text, CFG.text_range[0] + 1, SP.eos, SP.assistant, SP.audio], SpeechSamplingParams())
+    deferred = CFG.decoding.deferred_eos
+    assert walk[2] == (deferred, P.TRANSITION, 1, True)  # emitted deferred: vLLM would stop on eos
+    assert [w[1] for w in walk[3:]] == [P.AFTER_ASSISTANT, P.AUDIO]
+    assert _walk(M.TEXT_AUDIO, [SP.text, SP.eos], SpeechSamplingParams())[1][1] == P.TRANSITION
+    code = CFG.codec_start + 2
+    end = _walk(M.TEXT_AUDIO, [SP.text, SP.eot, SP.assistant, SP.audio, code, SP.eos], SpeechSamplingParams())
+    assert end[-1] == (SP.eos, P.DONE, 2, True)  # no enforced modality left: eos ends the answer
+
+
+def test_eot_starts_another_segment_and_max_length_ends_one():
+    code = CFG.codec_start + 2
+    walk = _walk(M.AUDIO, [SP.audio, code, SP.eot, SP.assistant, SP.text], SpeechSamplingParams())
+    assert [w[1] for w in walk] == [P.AUDIO, P.AUDIO, P.TRANSITION, P.AFTER_ASSISTANT, P.TEXT]
+    capped = _walk(M.TEXT_AUDIO, [SP.text, *[CFG.text_range[0]] * 2, SP.assistant], SpeechSamplingParams(max_text_tokens=2))
+    assert [w[1:] for w in capped[1:3]] == [(P.TEXT, 0, False), (P.TRANSITION, 1, True)]  # nothing forced at the max
+    last = _walk(M.AUDIO, [SP.audio, code, code], SpeechSamplingParams(max_audio_frames=2))
+    assert last[-1][1:] == (P.FINAL, 1, True)  # the answer is over: one forced eos row next
+    assert _kinds([P.FINAL], [M.AUDIO], [1], [0]) == [K.FORCE_EOS]
 
 
 def test_masks_and_temperature_compensation():
@@ -70,8 +91,8 @@ def test_masks_and_temperature_compensation():
     torch.testing.assert_close(out[0, lo:hi] / 0.8, raw[0, lo:hi] / 0.5)
     s0 = CFG.streams[0]
     allowed = torch.isfinite(out[1])
-    assert allowed[s0.vocab_start : s0.vocab_end].all() and allowed[SP.eos]
-    assert int(allowed.sum()) == s0.vocab_size + 1
+    assert allowed[s0.vocab_start : s0.vocab_end].all() and allowed[SP.eos] and allowed[SP.eot]
+    assert int(allowed.sum()) == s0.vocab_size + 2
     torch.testing.assert_close(out[1, s0.vocab_start : s0.vocab_end], raw[1, s0.vocab_start : s0.vocab_end])
 
 
@@ -82,7 +103,7 @@ def test_no_text_rows_path_equals_the_full_vocabulary_path(family):
 
     cfg = CFG if family == "bagpiper" else opuslm_layout("opuslm", text_vocab_size=300)
     rules = DecodingRules(cfg)
-    kinds = [k for k in RowKind if k not in (K.TEXT, K.TEXT_NO_EOS)]
+    kinds = [k for k in RowKind if k not in (K.TEXT, K.TEXT_NO_EOS, K.TEXT_NO_END)]
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(3 * len(kinds), cfg.vocab_size, generator=g).to(torch.bfloat16)
     kind = torch.tensor(kinds * 3)

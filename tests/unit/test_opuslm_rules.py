@@ -51,8 +51,8 @@ def test_auto_mode_follows_the_phase_not_the_argmax():
     raw = torch.zeros(2, CFG.vocab_size)
     raw[:, CFG.text_range[0]] = 10.0  # a text argmax on an audio row must not make it a text row
     kinds = RULES.row_kinds(
-        torch.tensor([P.AUDIO, P.TEXT]), torch.tensor([M.AUTO, M.AUTO]), raw, torch.zeros(2, dtype=torch.long),
-        _rows(2), torch.tensor([20, 3]),
+        torch.tensor([P.AUDIO, P.TEXT]), torch.tensor([M.AUTO, M.AUTO]), torch.zeros(2, dtype=torch.long),
+        torch.tensor([20, 3]), _rows(2),
     )
     assert kinds.tolist() == [K.AUDIO, K.TEXT]
 
@@ -60,8 +60,7 @@ def test_auto_mode_follows_the_phase_not_the_argmax():
 def test_min_length_masks_eos_on_early_audio_rows():
     step = torch.tensor([0, DEC.min_audio_frames - 1, DEC.min_audio_frames])
     kinds = RULES.row_kinds(
-        torch.full((3,), int(P.AUDIO)), torch.full((3,), int(M.AUDIO)), torch.zeros(3, CFG.vocab_size),
-        torch.zeros(3, dtype=torch.long), _rows(3), step,
+        torch.full((3,), int(P.AUDIO)), torch.full((3,), int(M.AUDIO)), torch.zeros(3, dtype=torch.long), step, _rows(3),
     )
     assert kinds.tolist() == [K.AUDIO_NO_EOS, K.AUDIO_NO_EOS, K.AUDIO]
     eos_bias = RULES.mask_bias[kinds, SP.eos]
@@ -77,15 +76,16 @@ def test_warm_up_and_drain_keep_exactly_the_delay_pattern_frames():
     phase, step = torch.tensor([int(P.AUDIO)]), torch.tensor([0])
     kept, stream0 = [], []
     for a in range(T + S + 1):
-        kind = RULES.row_kinds(phase, torch.tensor([int(M.AUDIO)]), torch.zeros(1, CFG.vocab_size),
-                               torch.tensor([a]), _rows(1), step)
+        mode, segment = torch.tensor([int(M.AUDIO)]), torch.zeros(1, dtype=torch.long)
+        kind = RULES.row_kinds(phase, mode, segment, step, _rows(1))
         kept.append(RULES.aux_sampled(kind, step)[0])
         sampled = CFG.streams[0].vocab_start + 7 if a < T else SP.eos  # stream 0 samples eos at step T
         allowed = RULES.mask_bias[kind[0]] == 0
         token = sampled if bool(allowed[sampled]) else int(allowed.nonzero()[0])  # forced rows
-        token = RULES.emitted_token(phase, torch.tensor([token]))
+        token = RULES.emitted_token(phase, mode, segment, torch.tensor([token]))
         stream0.append(int(token))
-        phase, step = RULES.step(phase, step, token)
+        phase, step, _, ended = RULES.step(phase, step, mode, segment, token, _rows(1))
+        assert not bool(ended)  # delay rules: every row is fed back as sampled
     assert stream0 == [CFG.streams[0].vocab_start + 7] * T + [DEC.deferred_eos] + [SP.pad] * (S - 1) + [SP.eos]
     assert int(phase) == P.DONE
     expected = torch.zeros(T + S + 1, S - 1, dtype=torch.bool)
@@ -111,13 +111,16 @@ def test_audio_rows_of_a_drained_answer_deinterleave_to_t_frames():
 
 
 def test_bagpiper_keeps_its_behaviour():
-    """The Bagpiper defaults of DecodingSpec change nothing: no warm-up, min length or drain."""
-    from vllm_omni_speechlm.config import bagpiper_layout
+    """Bagpiper has no warm-up, family minimum or drain: its audio eos ends an audio-only answer."""
+    from vllm_omni_speechlm.config import BAGPIPER_DEFERRED_EOS, bagpiper_layout
 
     cfg = bagpiper_layout(text_vocab_size=300)
-    assert cfg.decoding == DecodingSpec()
+    assert cfg.decoding == DecodingSpec(deferred_eos=BAGPIPER_DEFERRED_EOS)
     rules = DecodingRules(cfg)
     kind = torch.tensor([K.AUDIO])
     assert bool(rules.aux_sampled(kind, torch.tensor([0])).all())
-    assert int(rules.emitted_token(torch.tensor([P.AUDIO]), torch.tensor([cfg.specials.eos]))) == cfg.specials.eos
-    assert rules.replay([cfg.specials.audio, cfg.codec_start + 1, cfg.specials.eos]) == P.DONE
+    mode, segment = torch.tensor([int(M.AUDIO)]), torch.zeros(1, dtype=torch.long)
+    eos = rules.emitted_token(torch.tensor([P.AUDIO]), mode, segment, torch.tensor([cfg.specials.eos]))
+    assert int(eos) == cfg.specials.eos
+    rows = RowSampling.from_values([SpeechSamplingParams().resolve(cfg).row_values()], "cpu")
+    assert rules.replay([cfg.specials.audio, cfg.codec_start + 1, cfg.specials.eos], M.AUDIO, rows)[0] == P.DONE

@@ -8,9 +8,6 @@ minimum audio length and drain (`DecodingSpec`). No CFG.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaModel
@@ -27,11 +24,3 @@ class OpusLMForCausalLM(SpeechLMForCausalLM):
         if model_type not in BACKBONES:
             raise ValueError(f"OpusLM: config.json model_type must be one of {sorted(BACKBONES)}, got {model_type!r}")
         return BACKBONES[model_type](vllm_config=vllm_config, prefix=prefix)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        dec = self.speech.decoding
-        if dec.drain:  # the deferred eos is fed back as the eos it stands for (DecodingSpec)
-            emb = self.model.embed_tokens.weight
-            emb.data[dec.deferred_eos] = emb.data[self.speech.specials.eos]
-        return loaded

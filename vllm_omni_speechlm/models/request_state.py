@@ -16,10 +16,11 @@ import torch
 
 from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import OutputMode, Phase, RowSampling, aux_seed, seeded_exponential
+from vllm_omni_speechlm.decoding import FLOAT_FIELDS, INT_FIELDS, OutputMode, Phase, RowSampling, aux_seed, seeded_exponential
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 UNSEEDED = -1  # the aux-seed column of a request without a seed
+SEED_COLUMN = len(INT_FIELDS)  # `ints`: the RowSampling int fields, then the aux seed
 
 
 def to_device(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
@@ -61,17 +62,19 @@ class RequestTable:
         self.free = list(range(capacity - 1, -1, -1))
         self.phase = torch.zeros(rows, dtype=torch.long, device=d)
         self.phase_step = torch.zeros(rows, dtype=torch.long, device=d)  # steps in the current phase
+        self.segment = torch.zeros(rows, dtype=torch.long, device=d)  # segments of the answer ended so far
         self.mode = torch.zeros(rows, dtype=torch.long, device=d)
-        self.ints = torch.zeros(rows, 4, dtype=torch.long, device=d)  # text k, audio k, text budget, aux seed
-        self.floats = torch.ones(rows, 3, dtype=torch.float32, device=d)  # text scale, audio scale, divisor
+        self.ints = torch.zeros(rows, SEED_COLUMN + 1, dtype=torch.long, device=d)  # INT_FIELDS, aux seed
+        self.floats = torch.ones(rows, len(FLOAT_FIELDS), dtype=torch.float32, device=d)
         self.aux_history = torch.zeros(rows, self.max_output_len, s1, dtype=torch.int32, device=d)
 
     def _grow(self) -> None:
         """Double the tables (more live requests than expected: preempted ones keep slots)."""
-        old = (self.phase, self.phase_step, self.mode, self.ints, self.floats, self.aux_history)
+        tables = lambda: (self.phase, self.phase_step, self.segment, self.mode, self.ints, self.floats, self.aux_history)  # noqa: E731
+        old = tables()
         n = self.capacity
         self._allocate(2 * n)
-        for new, prev in zip((self.phase, self.phase_step, self.mode, self.ints, self.floats, self.aux_history), old):
+        for new, prev in zip(tables(), old):
             new[:n] = prev[:n]
         self.free = [s for s in self.free if s >= n]
 
@@ -92,10 +95,15 @@ class RequestTable:
             entry.guided_by = main_id(req_id)
             self.num_companions += 1
         self.entries[req_id] = entry
-        self.num_text_capable += params.modality != OutputMode.AUDIO
-        ints = (v.text_top_k, v.audio_top_k, v.max_text_tokens, seed)
-        self._admitted.append((slot, int(params.modality), ints, (v.text_scale, v.audio_scale, v.audio_divisor)))
+        self.num_text_capable += self.text_capable(params)
+        ints = tuple(getattr(v, n) for n in INT_FIELDS) + (seed,)
+        self._admitted.append((slot, int(params.modality), ints, tuple(getattr(v, n) for n in FLOAT_FIELDS)))
         return entry
+
+    def text_capable(self, params: SpeechSamplingParams) -> bool:
+        """Whether a request may have text rows. Under the parallel rules an audio answer that
+        ends with eot goes on with a segment of the model's choice, which may be text."""
+        return params.modality != OutputMode.AUDIO or self.cfg.decoding.parallel_segments
 
     def write_admitted(self) -> None:
         """The table rows of the requests admitted since the last call. One copy per table: a
@@ -108,6 +116,7 @@ class RequestTable:
         idx = to_device(list(slots), self.device)
         self.phase[idx] = int(Phase.START)
         self.phase_step[idx] = 0
+        self.segment[idx] = 0
         self.mode[idx] = to_device(list(modes), self.device)
         self.ints[idx] = to_device(np.array(ints, dtype=np.int64), self.device)
         self.floats[idx] = to_device(np.array(floats, dtype=np.float32), self.device)
@@ -119,17 +128,16 @@ class RequestTable:
                 self.num_released += 1
                 self.free.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
-                self.num_text_capable -= entry.params.modality != OutputMode.AUDIO
+                self.num_text_capable -= self.text_capable(entry.params)
 
     def row_sampling(self, slots: torch.Tensor, max_top_k: int) -> RowSampling:
         """Rows' sampling tensors; `max_top_k` is the host max over their entries' `max_top_k`."""
-        ints, floats = self.ints[slots], self.floats[slots]
-        return RowSampling(ints[:, 0], ints[:, 1], floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 2], max_top_k)
+        return RowSampling.from_tables(self.ints[slots, :SEED_COLUMN], self.floats[slots], max_top_k)
 
     def aux_noise(self, slots: torch.Tensor, generated: torch.Tensor, unseeded: torch.Tensor) -> torch.Tensor:
         """[N] rows' slots and output indices, [N, S-1, W] Exp(1) noise from the global RNG ->
         the rows' noise: a seeded request's own (`seeded_exponential`, the contract in
         `decoding.py`), the others' `unseeded`. No host work: the step functions compile it."""
-        seeds = self.ints[slots, 3]
+        seeds = self.ints[slots, SEED_COLUMN]
         seeded = seeded_exponential(seeds.clamp(min=0), generated, unseeded.shape[1:])
         return torch.where((seeds != UNSEEDED)[:, None, None], seeded, unseeded)

@@ -113,7 +113,12 @@ class SpeechLMForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        deferred = self.speech.decoding.deferred_eos
+        if deferred is not None:  # the deferred eos is fed back as the eos it stands for (DecodingSpec)
+            emb = self.model.embed_tokens.weight
+            emb.data[deferred] = emb.data[self.speech.specials.eos]
+        return loaded
 
     # ---- vllm-omni runner hooks: each step is `SpeechLMSteps`' -------------------------------
     def prepare_runner_inputs(

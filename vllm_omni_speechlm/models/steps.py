@@ -8,7 +8,7 @@ which hand each step to `SpeechLMSteps`, in this order:
                    (batched; no per-request runner hooks)
     output         admit new requests; hand the runner this step's [N, S] host frame buffer
                    (filled below, copied once in `sample`; frames.py)
-    logits         raw stream-0 logits -> row kinds (phase machine / argmax rule); streams 1..S-1
+    logits         row kinds from the phase machine; streams 1..S-1
                    projected on their own vocabulary slices in one batched matmul and sampled;
                    CFG pairs merged; stream-0 masks, top-k, temperature compensation; returns
                    what vLLM's sampler gets
@@ -327,7 +327,7 @@ class SpeechLMSteps:
         slots, generated = index
         rows = table.row_sampling(slots, max_top_k)
         phase_step = table.phase_step[slots]
-        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], raw, generated, rows, phase_step)
+        kinds = rules.row_kinds(table.phase[slots], table.mode[slots], table.segment[slots], phase_step, rows)
         aux_logits = self.model.aux_logits(hidden)
         if guided is not None:
             raw, aux_logits = _merge_guided(raw, aux_logits, kinds, guided)
@@ -382,24 +382,32 @@ class SpeechLMSteps:
     def advance_step(self, sampled: torch.Tensor, index: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         """`sample`'s device work (also the body of a step graph): [N, 1] sampled ids -> [N] emitted
         ids, written into stream 0 of `frames`; the sampling `rows` advance their phases."""
-        token, phase, phase_step = self._advance_rows(sampled, index, rows)
+        token, phase, phase_step, segment, ended = self._advance_rows(sampled, index, rows)
         frames[:, 0] = token
-        slots = index[0][rows]
-        self.table.phase[slots], self.table.phase_step[slots] = phase, phase_step
+        table, slots, outputs = self.table, index[0][rows], index[1][rows]
+        table.phase[slots], table.phase_step[slots], table.segment[slots] = phase, phase_step, segment
+        # A segment's last row is fed back with streams 1..S-1 pad (ESPnet prefills it so): in
+        # the history (next steps, re-prefills) and in the aux input a step graph staged.
+        table.aux_history[slots, outputs] = torch.where(ended[:, None], self.speech.specials.pad, table.aux_history[slots, outputs])
+        ended_rows = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
+        ended_rows[rows] = ended
+        aux_input = self.model.aux_input[: token.shape[0]]
+        aux_input.copy_(torch.where(ended_rows[:, None], 0.0, aux_input))
         return token
 
     def _advance_rows_eager(
         self, sampled: torch.Tensor, index: torch.Tensor, idx: slice | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """[N, 1] sampled stream-0 ids, [2, N] rows' slots and output indices, the rows that
-        sample (`idx`) -> [N] emitted ids (a drain family's first eos is emitted deferred: vLLM
-        would stop on it) and the sampling rows' next phase and phase step."""
+        sample (`idx`) -> [N] emitted ids (an eos that must not stop the request is emitted
+        deferred: vLLM would stop on it), the sampling rows' next phase, phase step and segment,
+        and whether each ended its segment."""
         table, rules = self.table, self.rules
         slots = index[0][idx]
-        token, phase = sampled[:, 0].clone(), table.phase[slots]
-        token[idx] = rules.emitted_token(phase, token[idx].long()).to(token.dtype)
-        nxt, nxt_step = rules.step(phase, table.phase_step[slots], token[idx].long())
-        return token, nxt, nxt_step
+        token, phase, mode, segment = sampled[:, 0].clone(), table.phase[slots], table.mode[slots], table.segment[slots]
+        token[idx] = rules.emitted_token(phase, mode, segment, token[idx].long()).to(token.dtype)
+        rows = table.row_sampling(slots, 1)
+        return token, *rules.step(phase, table.phase_step[slots], mode, segment, token[idx].long(), rows)
 
     # ---- compiling the step functions in vLLM's warm-up --------------------------------------
     def warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:

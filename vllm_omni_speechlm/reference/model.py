@@ -71,7 +71,7 @@ class ReferenceSpeechLM:
         self.lm_head = weights.pop("lm_head.weight").to(device, dtype)  # [V, H]
         self.stream_emb = weights.pop("stream_embeddings.weight").to(device, dtype)  # [S, H]
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
-        if cfg.decoding.drain:  # the deferred eos is the eos, under another id (see DecodingSpec)
+        if cfg.decoding.deferred_eos is not None:  # the eos, under another id (see DecodingSpec)
             emb = weights["embed_tokens.weight"]
             emb[cfg.decoding.deferred_eos] = emb[cfg.specials.eos]
         self.backbone.load_state_dict(weights)
@@ -131,28 +131,31 @@ class ReferenceSpeechLM:
         hidden = self.backbone(self.embed(prompt), 0, cache)[:, -1]  # [B, H]
 
         steps, kinds, finish = [], [], "length"
+        segment = torch.zeros(1, dtype=torch.long, device=self.device)
+        text_stops_at_eot = p.modality == OutputMode.TEXT and not rules.parallel
         w = cfg.num_streams - 1
         for step in range(p.max_tokens):
             logits0, logits_aux = self.heads(hidden)
             generated = torch.tensor([step], device=self.device)
-            kind = rules.row_kinds(phase, mode, logits0[:1], generated, rows, phase_step)
-            if p.use_cfg:  # guidance on audio rows only; modality is read from the cond branch
+            kind = rules.row_kinds(phase, mode, segment, phase_step, rows)
+            if p.use_cfg:  # guidance on audio rows only; the modality row reads the cond branch
                 audio = is_audio_row(kind)
                 logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
-            tok0 = engine_sample(rules.process_primary_logits(logits0, kind, rows), p.engine_temperature, g0)
-            tok0 = rules.emitted_token(phase, tok0)  # a drain family's first eos is deferred
+            tok0 = engine_sample(rules.process_primary_logits(logits0[:1], kind, rows), p.engine_temperature, g0)
+            tok0 = rules.emitted_token(phase, mode, segment, tok0)  # an eos the answer outlives is deferred
             noise = self.aux_noise(p.seed, generated, (w, cfg.aux_stream_width))
-            aux = rules.sample_aux_streams(logits_aux, rows, noise) + self.aux_start
+            aux = rules.sample_aux_streams(logits_aux[:1], rows, noise) + self.aux_start
             aux = torch.where(rules.aux_sampled(kind, phase_step), aux, cfg.specials.pad)
             token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S]
             steps.append(token[0])
             kinds.append(kind[0])
-            phase, phase_step = rules.step(phase, phase_step, tok0)
-            if int(phase) == Phase.DONE or (p.modality == OutputMode.TEXT and int(tok0) == cfg.specials.eot):
+            phase, phase_step, segment, ended = rules.step(phase, phase_step, mode, segment, tok0, rows)
+            if int(phase) == Phase.DONE or (text_stops_at_eot and int(tok0) == cfg.specials.eot):
                 finish = "stop"
                 break
-            embeds = self.embed(token.expand(len(branches), -1)[:, None, :])  # both branches get it
+            fed = torch.where(ended[:, None] & (torch.arange(cfg.num_streams, device=self.device) > 0), cfg.specials.pad, token)
+            embeds = self.embed(fed.expand(len(branches), -1)[:, None, :])  # both branches get it
             hidden = self.backbone(embeds, len(prompt_ids) + step, cache)[:, -1]
         tokens, kinds_t = torch.stack(steps), torch.stack(kinds)
         return self.finish(tokens, kinds_t, finish)
