@@ -4,12 +4,12 @@ text LM of the same backbone decoding N completions at once.
     python benchmarks/serve_load.py --out results.json                  # GPU host: 8B geometry
     python benchmarks/serve_load.py --tiny --out /tmp/serve_load.json   # CPU, the tiny checkpoint
 
-Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy`
-for another one), with dummy weights as the only change. The checkpoint (Bagpiper layout at
-Qwen3-8B geometry, a random X-Codec decoder of the released geometry) masks eos for its first
---gen-len audio frames, so every answer is --gen-len frames long. At each concurrency level N
-clients post at once, each streaming one audio-only answer (raw PCM, or SSE with `--format
-sse`), and the client times every chunk. Per level:
+Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy` for
+another one), with dummy weights as the only change (Bagpiper layout at Qwen3-8B geometry, a random
+X-Codec decoder of the released geometry). Every answer asks for exactly --gen-len audio frames
+(its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale.
+At each concurrency level N clients post at once, each streaming one audio-only answer (raw PCM, or
+SSE with `--format sse`), and the client times every chunk. Per level:
     first audio   request sent -> first audio bytes: p50 / p90 / max
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
@@ -49,16 +49,6 @@ STALL_FREE_S = 1e-3
 
 
 # ---- files --------------------------------------------------------------------------------
-
-
-def speech_checkpoint(root: Path, tiny: bool, frames: int) -> str:
-    """The benchmark checkpoint, its eos masked for the first `frames` audio frames."""
-    model_dir = write_checkpoint(str(root), tiny)
-    path = Path(model_dir) / "config.json"
-    config = json.loads(path.read_text())
-    config["speechlm"]["decoding"]["min_audio_frames"] = frames
-    path.write_text(json.dumps(config, indent=2))
-    return model_dir
 
 
 def dummy_weights_deploy(name: str, out: Path) -> str:
@@ -207,6 +197,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", help="default 1 16 64 128 192 256 (--tiny: 1 4)")
     ap.add_argument("--gen-len", type=int, help="audio frames per answer, tokens per completion (default 300; --tiny 60)")
     ap.add_argument("--format", choices=["pcm", "sse"], default="pcm", help="raw PCM stream or SSE events")
+    ap.add_argument("--cfg-scale", type=float, help="every answer's guidance (default: the checkpoint's)")
     ap.add_argument("--deploy", help="the shipped deploy YAML (default bagpiper_streaming[_cpu_tiny].yaml)")
     ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
     ap.add_argument("--workdir", help="checkpoints and server logs (default: a temporary folder)")
@@ -232,9 +223,11 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
     if "speech" in args.engines:
-        model_dir = speech_checkpoint(work / "ckpt", args.tiny, frames)
+        model_dir = write_checkpoint(str(work / "ckpt"), args.tiny)
         deploy = dummy_weights_deploy(deploy_name, work / deploy_name)
-        body = {"input": PROMPT, "response_format": "pcm", "max_new_tokens": frames + DELAY_STEPS + 1}
+        body = {"input": PROMPT, "response_format": "pcm", "min_audio_frames": frames, "max_audio_frames": frames,
+                "max_new_tokens": frames + DELAY_STEPS + 2}
+        body |= {"cfg_scale": args.cfg_scale} if args.cfg_scale is not None else {}
         body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
         with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], work / "speech.log", entrypoint=VLLM_SERVE) as server:
             measure(server, levels, lambda c, i: listen(c, body | {"seed": i}, args.format == "sse"), speech_summary,
