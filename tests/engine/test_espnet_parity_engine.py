@@ -1,7 +1,7 @@
 """The engine (vLLM, float32, CPU) decodes every golden case as ESPnet's ParallelLLM.inference
 did: every stream of every row, all cases in one batch (CFG companions included). The checkpoint
 is rebuilt from its seed (tests/espnet_parity.py); the reference's side is
-tests/unit/test_espnet_parity.py."""
+tests/unit/test_espnet_parity_reference.py."""
 
 from __future__ import annotations
 
