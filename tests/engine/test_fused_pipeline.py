@@ -71,7 +71,8 @@ def test_fused_clips_equal_reference_and_batch_mode(gen, reference, tiny_bagpipe
 
 
 def _assert_fused_clips(gen, reference, tiny_bagpiper) -> None:
-    kws = [dict(modality="text+audio", max_text_tokens=2 + 12 * i, seed=7, max_tokens=110) for i in range(3)]
+    kws = [dict(modality="text+audio", min_text_tokens=2 + 12 * i, max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
+           for i in range(3)]
     # generate() takes one set of options per call; the speech options ride per request, so send
     # the three as one engine batch the way generate does.
     requests = [gen.engine_request(gen.encode(p, SYSTEM), SpeechSamplingParams(**kw)) for p, kw in zip(PROMPTS, kws)]
