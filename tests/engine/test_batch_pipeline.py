@@ -76,7 +76,7 @@ def test_concurrent_clips_equal_whole_clip_decoding(gen, reference):
     equal to the reference's whole-clip audio (which also proves the codes are the reference's)."""
     batch = []
     for i, prompt in enumerate(PROMPTS):
-        kw = dict(modality="text+audio", max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
+        kw = dict(modality="text+audio", min_text_tokens=2 + 12 * i, max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
         batch.append((*_request(gen, prompt, **kw), kw))
     outs = _run(gen, [b[:3] for b in batch])
     assert sorted(outs) == [0, 1, 2]

@@ -70,13 +70,12 @@ def test_requests_beyond_the_bound_are_refused_at_once(server):
             refused = list(pool.map(lambda r: _timed_post(client, *r, start), extra))
         answers = [f.result() for f in admitted]
     first_end = min(ended for _, ended in answers)
-    print("refusals (s):", sorted(round(seconds, 3) for seconds, _, _ in refused))
     for seconds, came, resp in refused:
         assert resp.status_code == 429, resp.text[:300]
         assert resp.headers["retry-after"] == "1" and "max_pending_requests" in resp.json()["error"]["message"]
-        # At once, not after the running answers: on a quiet 2-core machine within 0.02 s; the
-        # bound leaves room for a loaded one, and every refusal precedes the first answer's end.
-        assert seconds < 5.0 and came < first_end, (seconds, came - first_end)
+        # At once, not after the running answers (0.006-0.02 s on a quiet 2-core machine; seconds
+        # when other work loads it): every refusal precedes the first admitted answer's end.
+        assert came < first_end, (seconds, came - first_end)
     frame_bytes = 2 * SpeechLMConfig.from_model_dir(server.model_dir).codec.hop_length  # 16-bit PCM
     assert all(len(a) >= (FRAMES - 8) * frame_bytes for a, _ in answers)  # ran to the end (less the delay)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
