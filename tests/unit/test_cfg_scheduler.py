@@ -97,6 +97,10 @@ def _rows(scheduler, scheduler_output) -> dict[str, int]:
     return rows
 
 
+def _row(script: list[int], row: int) -> int:
+    return script[row] if row < len(script) else 0
+
+
 def _run(scheduler, requests, scripts, depth: int):
     """Drive `scheduler` like vLLM's EngineCore, `depth` steps in flight. Returns each main's
     emitted tokens, the rows each main computed with its companion, and the companions' prompts."""
@@ -110,7 +114,8 @@ def _run(scheduler, requests, scripts, depth: int):
         if scheduler.has_unfinished_requests():
             output = scheduler.schedule()
             rows = _rows(scheduler, output)
-            prompts += [(main_id(r.req_id), rows[r.req_id], r.prompt_token_ids) for r in output.scheduled_new_reqs if is_companion(r.req_id)]
+            new = [r for r in output.scheduled_new_reqs if is_companion(r.req_id)]
+            prompts += [(main_id(r.req_id), rows[r.req_id], r.prompt_token_ids) for r in new]
             for rid, row in rows.items():
                 if is_companion(rid):
                     assert rows[main_id(rid)] == row
@@ -120,7 +125,7 @@ def _run(scheduler, requests, scripts, depth: int):
             output, rows = in_flight.pop(0)
             ids = list(output.num_scheduled_tokens)
             # Async scheduling runs a step past a request's end before it sees the end: any token.
-            tokens = [[(scripts[main_id(rid)] + [0])[min(rows[rid], len(scripts[main_id(rid)]))]] for rid in ids]
+            tokens = [[_row(scripts[main_id(rid)], rows[rid])] for rid in ids]
             runner = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens)
             for outs in scheduler.update_from_output(output, runner).values():
                 for out in outs.outputs:
