@@ -87,6 +87,9 @@ HOOKS = (
     Hook(_REQUEST, "num_output_placeholders", "attribute"),
     Hook(_REQUEST, "num_in_flight_tokens", "attribute"),
     Hook(_REQUEST, "num_stale_output_tokens", "attribute"),
+    # holds a running request out of a step: vLLM skips it while `current_step` is below this
+    Hook(_REQUEST, "next_decode_eligible_step", "attribute"),
+    Hook(_SCHED, "current_step", "attribute"),
     Hook(_REQUEST, "take_prefill_stats", "call", "self"),
     Hook(_REQUEST, "take_events", "call", "self"),
     Hook("vllm.v1.core.sched.utils", "check_stop", "restated", "request, max_model_len"),  # stops_after

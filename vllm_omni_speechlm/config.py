@@ -149,7 +149,7 @@ class DecodingSpec:
     min_audio_frames: int = 0
     drain: bool = False
     deferred_eos: int | None = None  # required with drain or parallel_segments: a special id the model never needs
-    guidance: bool = True  # classifier-free guidance against the all-pad prompt (OpusLM has none)
+    guidance: bool = True  # classifier-free guidance of audio segments against an all-pad context (OpusLM has none)
 
     def validate(self, cfg: "SpeechLMConfig") -> None:
         if isinstance(self.min_audio_frames, bool) or not isinstance(self.min_audio_frames, int) or self.min_audio_frames < 0:

@@ -110,6 +110,12 @@ _ENFORCED = {
 }
 
 
+def enforced_kind(mode: OutputMode, segment: int) -> RowKind:
+    """Host form of the modality row of segment `segment`: FORCE_TEXT / FORCE_AUDIO where the
+    output mode enforces it, else CHOOSE (the model's choice)."""
+    return _ENFORCED[OutputMode(mode)][segment] if segment < 2 else RowKind.CHOOSE
+
+
 def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
     """[N] RowKind -> [N] bool: rows sampled as audio (audio settings, CFG, aux streams)."""
     return (kind == int(RowKind.AUDIO)) | (kind == int(RowKind.AUDIO_NO_EOS))

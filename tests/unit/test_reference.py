@@ -110,9 +110,9 @@ def _allowed(cfg, kind: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_teacher_forced_full_sequence_agrees(reference, prompt, cfg_scale):
-    """Re-run the whole answer in one uncached forward pass (cond and all-pad uncond branches,
-    every stream's tokens summed into the inputs, a segment's last row fed with streams 1..S-1
-    pad) and re-derive each greedy choice."""
+    """Re-run the whole answer in one uncached forward pass (every stream's tokens summed into the
+    inputs, a segment's last row fed with streams 1..S-1 pad; the unguided branch all pad up to
+    the audio segment's modality token, as ESPnet rebuilds it) and re-derive each greedy choice."""
     cfg, w = reference.cfg, cfg_scale
     out = _generate(reference, prompt, modality="text+audio", max_tokens=40, max_text_tokens=4, cfg_scale=w, **GREEDY)
     n_prompt, n_out = len(prompt), len(out.tokens)
@@ -124,7 +124,9 @@ def test_teacher_forced_full_sequence_agrees(reference, prompt, cfg_scale):
     fed[deferred, 0] = cfg.specials.eos  # the deferred eos is fed as eos
     seq = torch.zeros(2, n_prompt + n_out - 1, cfg.num_streams, dtype=torch.long)
     seq[0, :n_prompt, 0] = torch.tensor(prompt)
-    seq[:, n_prompt:] = fed
+    seq[0, n_prompt:] = fed
+    audio_row = kinds.index(K.FORCE_AUDIO)  # the unguided branch: pad before it, then what was fed
+    seq[1, n_prompt + audio_row :] = fed[audio_row:]
     with torch.inference_mode():
         hidden = reference.backbone(reference.embed(seq), 0, reference.backbone.new_cache())[:, n_prompt - 1 :]
         for i in range(n_out):

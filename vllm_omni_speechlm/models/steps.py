@@ -374,6 +374,9 @@ class SpeechLMSteps:
         else:
             return out
         sampled[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
+        if step.guided is not None:  # the companion emits what its main emits: vLLM stops both alike
+            main, companion, _ = step.guided
+            sampled[companion] = sampled[main]
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self.frames_host.copy_(frames, non_blocking=True)
         step.sampled = None

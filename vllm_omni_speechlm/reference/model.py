@@ -3,7 +3,8 @@
 No vLLM, no transformers. It loads the same checkpoint directory as the engine and decodes one
 request at a time: the phase machine, masks and sampling of `decoding.py`, stream-0 sampling the
 way vLLM's sampler does it (`engine_sample`), streams 1..S-1 sampled in the same step,
-stream-embedding input sums, CFG on a batch of two branches, de-interleave and codec decode.
+stream-embedding input sums, CFG as ESPnet runs it (a second, all-pad branch for each guided
+segment, batched with the first), de-interleave and codec decode.
 The random-number contract is documented in `decoding.py`.
 """
 
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from vllm_omni_speechlm.cfg import merge_guided, unconditional_prompt
+from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
@@ -124,11 +125,10 @@ class ReferenceSpeechLM:
         phase = torch.tensor([int(Phase.START)], device=self.device)
         phase_step = torch.zeros(1, dtype=torch.long, device=self.device)
 
-        branches = [prompt_ids] + ([unconditional_prompt(prompt_ids, cfg.specials.pad)] if p.use_cfg else [])
-        prompt = torch.zeros(len(branches), len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
-        prompt[..., 0] = torch.tensor(branches, device=self.device)
+        prompt = torch.zeros(1, len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
+        prompt[..., 0] = torch.tensor(prompt_ids, device=self.device)
         cache = self.backbone.new_cache()
-        hidden = self.backbone(self.embed(prompt), 0, cache)[:, -1]  # [B, H]
+        hidden = self.backbone(self.embed(prompt), 0, cache)[:, -1]  # [B, H]: B = 2 in a guided segment
 
         steps, kinds, finish = [], [], "length"
         segment = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -138,7 +138,7 @@ class ReferenceSpeechLM:
             logits0, logits_aux = self.heads(hidden)
             generated = torch.tensor([step], device=self.device)
             kind = rules.row_kinds(phase, mode, segment, phase_step, rows)
-            if p.use_cfg:  # guidance on audio rows only; the modality row reads the cond branch
+            if hidden.shape[0] == 2:  # guidance on audio rows only
                 audio = is_audio_row(kind)
                 logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
@@ -155,10 +155,24 @@ class ReferenceSpeechLM:
                 finish = "stop"
                 break
             fed = torch.where(ended[:, None] & (torch.arange(cfg.num_streams, device=self.device) > 0), cfg.specials.pad, token)
-            embeds = self.embed(fed.expand(len(branches), -1)[:, None, :])  # both branches get it
-            hidden = self.backbone(embeds, len(prompt_ids) + step, cache)[:, -1]
+            position = len(prompt_ids) + step
+            if bool(ended):  # the segment's last row is fed to the conditional branch only
+                cache = [[k[:1], v[:1]] for k, v in cache]
+            if p.use_cfg and int(tok0) == cfg.specials.audio:  # a guided segment starts
+                cache = self.with_unguided_branch(cache, position)
+            embeds = self.embed(fed.expand(len(cache[0][0]), -1)[:, None, :])  # every branch gets it
+            hidden = self.backbone(embeds, position, cache)[:, -1]
         tokens, kinds_t = torch.stack(steps), torch.stack(kinds)
         return self.finish(tokens, kinds_t, finish)
+
+    def with_unguided_branch(self, cache: list[list], length: int) -> list[list]:
+        """ESPnet's `_prepare_cfg_cache`: the unguided branch is all pad over the whole context so
+        far (`length` positions: the prompt, earlier segments and `<|assistant|>`), batched after
+        the conditional one."""
+        pad = torch.full((1, length, self.cfg.num_streams), self.cfg.specials.pad, dtype=torch.long, device=self.device)
+        unguided = self.backbone.new_cache()
+        self.backbone(self.embed(pad), 0, unguided)
+        return [[torch.cat([k, ku]), torch.cat([v, vu])] for (k, v), (ku, vu) in zip(cache, unguided)]
 
     # ---- outputs --------------------------------------------------------------------------
     def finish(self, tokens: torch.Tensor, kinds: torch.Tensor, reason: str) -> ReferenceOutput:

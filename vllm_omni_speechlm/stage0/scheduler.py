@@ -1,17 +1,29 @@
 """Stage-0 scheduler with paired CFG co-scheduling.
 
-A request whose speech options ask for guidance (`cfg_scale > 1`) gets a hidden unconditional
-companion (`cfg.py`), created here when the request arrives. The pair is one scheduling unit:
+A request whose speech options ask for guidance (`cfg_scale` > 1) gets a hidden unconditional
+companion (`cfg.py`) for each of its guided (audio) segments, as ESPnet rebuilds its unguided
+branch at each guided segment's start: all pad over the main's context before the segment's
+modality row, then the modality token. The companion joins the main
+* at arrival, when the answer opens with an enforced audio segment: prompt all pad, as long as
+  the main's; both compute the modality row, and the companion is fed the main's token;
+* otherwise at the segment's first row, once the main's modality token is known (sampled, or
+  forced by the output mode while it is still in flight): prompt all pad over the main's context
+  before the modality row, then the modality token. A main whose in-flight modality row is the
+  model's choice (async scheduling) waits one step for it.
+It ends when the main's segment does (the main emits anything but a stream-0 audio code). While
+it lives, the pair is one scheduling unit:
 
-* admitted together: a pair whose two prompts do not both fit (slots, KV blocks, token budget)
-  is held out of the waiting queue for that step, so requests behind it still run (no
+* admitted together: a pair whose members to admit do not all fit (slots, KV blocks, token
+  budget) is held out of the waiting queue for that step, so requests behind it still run (no
   head-of-line blocking); after `MAX_PAIR_HOLD_STEPS` held steps nothing behind it is admitted
-  until it fits (no starvation);
+  until it fits (no starvation). A running main whose new companion does not fit is preempted
+  and waits with it (mains holding slots while they wait for their companions could deadlock);
 * preempted together: before vLLM's own scheduling pass, if the running requests' next blocks do
   not fit, whole units are preempted from the back of the running queue (vLLM would otherwise
   preempt one member and split the pair);
-* finished and aborted together, and the companion's outputs never leave the EngineCore (nor
-  reach the async_chunk connector).
+* finished and aborted together (the main's end ends its companion; a companion that ends before
+  its segment does ends its main, which must not decode a guided segment unguided), and the
+  companion's outputs never leave the EngineCore (nor reach the async_chunk connector).
 
 With async_chunk streaming, a request's steps reach vllm-omni's chunk adapter only when they
 complete a codec window (`WindowGate`, window_gate.py): the adapter
@@ -19,10 +31,12 @@ copies the request and wakes its save thread on every call it gets. The client g
 frames (`codes.audio`) in blocks of steps (`ClientFrameBlocks`, client_frames.py).
 Decode rows that only append a token take a short update path (`SteadyRowsMixin`, steady_rows.py).
 
-Both members prefill completely in one step (chunked prefill is off) and then decode one token
-per step, so they always sample the same output position in the same step. The all-pad
-unconditional prompts are identical across pairs of equal length, so with prefix caching on they
-share KV blocks.
+A companion prefills completely in one step (chunked prefill is off) in the step where its main
+computes the same output position, and the two then decode one token per step: both members are
+always as long as each other (`_check_lockstep`; a companion that lost that because its main was
+preempted before it started is made again). Both see the same length limits (the companion's
+`max_tokens` is cut to the main's remaining budget) and the same stop tokens (the model emits the
+main's token for both).
 """
 
 from __future__ import annotations
@@ -36,9 +50,10 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARS
 from vllm_omni.engine.serialization import deserialize_additional_information
 from vllm_omni.request import OmniRequest
 
-from vllm_omni_speechlm.cfg import companion_id, is_companion, unconditional_prompt, wants_guidance
+from vllm_omni_speechlm.cfg import companion_id, guided_mode, is_companion, unconditional_prompt
 from vllm_omni_speechlm.compat import gate_chunk_sends
 from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import OutputMode, RowKind, enforced_kind
 from vllm_omni_speechlm.frames import StepOutputs
 from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
@@ -54,14 +69,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _length(request: Any) -> int:
+    """Tokens known or in flight. A pair's members are always equally long: a companion starts as
+    long as its main (its prompt ends where the main's next step feeds) and both then grow in step."""
+    return request.num_tokens + request.num_output_placeholders
+
+
 class _PairedCFGMixin:
     """Pair bookkeeping on top of vllm-omni's AR scheduler (sync or async variant)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.partner: dict[str, str] = {}  # both directions: main <-> companion
+        self._guided: dict[str, OutputMode] = {}  # live main requests that ask for guidance: their output mode
+        self._guided_from: dict[str, int] = {}  # main with a companion -> output index of its segment's first row
         self._held_steps: dict[str, int] = {}  # main id -> consecutive steps held back
         self._orphans: set[str] = set()  # pair members whose partner finished first
+        self._updates_without_pairs = 2  # scheduler updates since a pair last existed
         logger.info("stage-0 scheduler: %s (paired CFG)", type(self).__name__)
         self.speech = SpeechLMConfig.from_hf_config(self.vllm_config.model_config.hf_config)
         self._gate: WindowGate | None = None
@@ -87,33 +111,113 @@ class _PairedCFGMixin:
             return True, payload
         return self._gate.offer(request, payload, finished)
 
-    # ---- arrival ----------------------------------------------------------------------------
+    # ---- arrival and guided segments --------------------------------------------------------
     def add_request(self, request: Any) -> None:
         super().add_request(request)
-        if self._wants_guidance(request):
-            companion = self._companion_of(request)
-            self.partner[request.request_id] = companion.request_id
-            self.partner[companion.request_id] = request.request_id
-            super().add_request(companion)
+        mode = self._guided_mode(request)
+        if mode is None:
+            return
+        self._guided[request.request_id] = mode
+        if enforced_kind(mode, 0) == RowKind.FORCE_AUDIO:  # opens with a guided segment: pair from arrival
+            self._add_companion(request, request.num_prompt_tokens, None, first_row=1)
 
-    def _wants_guidance(self, request: Any) -> bool:
+    def _guided_mode(self, request: Any) -> OutputMode | None:
         payload = getattr(request, "additional_information", None)
         info = deserialize_additional_information(payload) if payload is not None else {}
-        return wants_guidance(info, self.speech)
+        return guided_mode(info, self.speech)
 
-    def _companion_of(self, main: Any) -> OmniRequest:
-        return OmniRequest(
+    def _start_guided_segments(self) -> None:
+        """Give each guided main whose next step computes a guided segment's first row its
+        companion; hold one step a main whose in-flight modality row is the model's choice."""
+        for main_id, mode in self._guided.items():
+            main = self.requests.get(main_id)
+            if main is None or main.num_stale_output_tokens:
+                continue
+            if main_id in self.partner:
+                if not self._companion_out_of_step(main):
+                    continue
+                self._end_companion(main_id)  # made again below, as long as its main now is
+            row = main.num_output_tokens + main.num_output_placeholders - 1  # the row its next step feeds
+            starts = self._opens_guided_segment(main, mode, row)
+            if starts is None:
+                self._hold(main)
+            elif starts:
+                self._add_companion(main, main.num_prompt_tokens + row, self.speech.specials.audio, first_row=row + 1)
+                if main_id in self.partner:  # admitted before anything else waiting (with its main, if preempted)
+                    self._to_front([r for r in self._unit(main) if r.status != RequestStatus.RUNNING])
+
+    def _companion_out_of_step(self, main: Any) -> bool:
+        """Whether the main's companion has not run yet and is no longer as long as its main: the
+        main was preempted before the pair's first step and lost the row in flight it was made for."""
+        companion = self.requests[self.partner[main.request_id]]
+        not_run = companion.num_computed_tokens == 0 and not companion.num_output_tokens
+        return not_run and not companion.num_stale_output_tokens and _length(companion) != _length(main)
+
+    def _opens_guided_segment(self, main: Any, mode: OutputMode, row: int) -> bool | None:
+        """Whether output `row` of `main` is an audio modality token (a guided segment starts
+        after it); None while that is not known yet (a modality row of the model's choice in
+        flight). Read from the main's emitted tokens, host facts the scheduler already has."""
+        if row < 0:
+            return False
+        outputs, sp = main.output_token_ids, self.speech.specials
+        if row < main.num_output_tokens:
+            return outputs[row] == sp.audio
+        if row > 0 and outputs[row - 1] != sp.assistant:  # in flight, and not a modality row
+            return False
+        kind = enforced_kind(mode, outputs[:row].count(sp.assistant))  # a segment follows each <|assistant|>
+        return None if kind == RowKind.CHOOSE else kind == RowKind.FORCE_AUDIO
+
+    def _add_companion(self, main: Any, context_len: int, modality: int | None, first_row: int) -> None:
+        prompt = unconditional_prompt(context_len, self.speech.specials.pad, modality)
+        # The same last position as the main's: vLLM's length checks stop (or skip) both alike.
+        params = main.sampling_params.clone()
+        params.max_tokens = main.num_prompt_tokens + main.max_tokens - len(prompt)
+        if params.max_tokens <= 0:  # the answer ends before the segment's first row
+            return
+        companion = OmniRequest(
             request_id=companion_id(main.request_id),
             external_req_id=companion_id(main.external_req_id or main.request_id),
             client_index=main.client_index,
-            prompt_token_ids=unconditional_prompt(main.prompt_token_ids, self.speech.specials.pad),
-            sampling_params=main.sampling_params.clone(),
+            prompt_token_ids=prompt,
+            sampling_params=params,
             pooling_params=None,
             arrival_time=main.arrival_time,
             priority=main.priority,
             block_hasher=main._block_hasher,
             additional_information=main.additional_information,
         )
+        self.partner[main.request_id] = companion.request_id
+        self.partner[companion.request_id] = main.request_id
+        self._guided_from[main.request_id] = first_row
+        super().add_request(companion)
+
+    def _to_front(self, requests: list[Any]) -> None:
+        """Requests to the front of the waiting queue, in this order."""
+        self.waiting.remove_requests(requests)
+        for request in reversed(requests):
+            self.waiting.prepend_request(request)
+
+    def _hold(self, request: Any) -> None:
+        """Keep a running request out of this step: vLLM's scheduler skips a running request
+        while its step counter (advanced as `schedule` starts) is below this."""
+        request.next_decode_eligible_step = self.current_step + 2
+
+    def _end_guided_segments(self) -> None:
+        """End the companions whose main has left its guided segment: the main emitted anything
+        but a stream-0 audio code (eos, eot, deferred eos; after a max length, the forced
+        `<|assistant|>` or eos)."""
+        first_code, end_code = self.speech.streams[0].vocab_start, self.speech.streams[0].vocab_end
+        for main_id, first_row in list(self._guided_from.items()):
+            main = self.requests.get(main_id)
+            if main is None or main.num_output_tokens <= first_row:
+                continue
+            if not first_code <= main.output_token_ids[-1] < end_code:
+                self._end_companion(main_id)
+
+    def _end_companion(self, main_id: str) -> None:
+        companion = self.partner.pop(main_id)
+        del self.partner[companion], self._guided_from[main_id]  # not an orphan: its main goes on
+        super().finish_requests(companion, RequestStatus.FINISHED_ABORTED)
 
     # ---- scheduling -------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,7 +226,9 @@ class _PairedCFGMixin:
             self._gate.forget(self._gate_ended)
             self._gate_ended = set()
         self._forget_gone_pairs()
-        if not self.partner:  # no pair anywhere: vLLM's scheduling, untouched
+        if self._guided:
+            self._start_guided_segments()
+        if not self.partner:  # no pair anywhere: vLLM's scheduling, untouched (holds included)
             return super().schedule(*args, **kwargs)
         self._preempt_units_for_room()
         held = self._hold_pairs_that_do_not_fit() if any(r.request_id in self.partner for r in self.waiting) else []
@@ -180,7 +286,9 @@ class _PairedCFGMixin:
     def _hold_pairs_that_do_not_fit(self) -> list[Any]:
         """Take pairs that cannot be admitted together out of the waiting queue for this step.
         Requests ahead of a pair are budgeted conservatively (whole prompt, no cache hits), so a
-        pair judged to fit is never split by vLLM's admission loop."""
+        pair judged to fit is never split by vLLM's admission loop. A running main whose new
+        companion does not fit is preempted and waits with it: holding its slot instead could
+        deadlock with other mains doing the same."""
         slots = self.max_num_running_reqs - len(self.running)
         tokens = self.max_num_scheduled_tokens - len(self.running)
         blocks = self._spare_blocks() - len(self.running)  # each running request may take a block
@@ -191,33 +299,55 @@ class _PairedCFGMixin:
                 continue
             unit = self._unit(request)
             seen.update(r.request_id for r in unit)
-            need_tokens = sum(r.num_tokens - r.num_computed_tokens for r in unit)
-            need_blocks = sum(_cdiv(r.num_tokens + 1, self.block_size) for r in unit)
-            fits = len(unit) <= slots and need_tokens <= tokens and need_blocks <= blocks
-            slots, tokens, blocks = slots - len(unit), tokens - need_tokens, blocks - need_blocks
+            admit = [r for r in unit if r.status != RequestStatus.RUNNING]
+            need_tokens = sum(r.num_tokens - r.num_computed_tokens for r in admit)
+            need_blocks = sum(_cdiv(r.num_tokens + 1, self.block_size) for r in admit)
+            fits = len(admit) <= slots and need_tokens <= tokens and need_blocks <= blocks
+            fits = fits and not any(r.num_stale_output_tokens for r in admit)  # a member's length is still in flight
+            slots, tokens, blocks = slots - len(admit), tokens - need_tokens, blocks - need_blocks
             if len(unit) == 1 or fits:
                 self._held_steps.pop(unit[0].request_id, None)
                 continue
             steps = self._held_steps[unit[0].request_id] = self._held_steps.get(unit[0].request_id, 0) + 1
             if steps > MAX_PAIR_HOLD_STEPS:  # starving: admit nothing behind it until it fits
                 rest = list(self.waiting)
-                held += rest[rest.index(unit[0]) :]
+                held += rest[rest.index(admit[0]) :]
                 break
-            held += unit
+            held += admit
+        held = self._with_preempted_mains(held)
         self.waiting.remove_requests(held)
         return held
+
+    def _with_preempted_mains(self, held: list[Any]) -> list[Any]:
+        """`held` with the running main of each held companion preempted and put just before it
+        (it must not run without it, and the pair stays adjacent in the queue). A main with a step
+        in flight is held for this step instead: preempted now, it would lose the row its
+        companion was made for."""
+        out = []
+        for request in held:
+            main = self.requests.get(self.partner.get(request.request_id, "")) if is_companion(request.request_id) else None
+            if main is not None and main.status == RequestStatus.RUNNING and main.num_output_placeholders:
+                self._hold(main)
+            elif main is not None and main.status == RequestStatus.RUNNING:
+                self.running.remove(main)
+                self._preempt_request(main, time.monotonic())
+                out.append(main)
+            out.append(request)
+        return out
 
     def _check_lockstep(self, output: Any) -> None:
         scheduled = output.num_scheduled_tokens
         for main, companion in self.partner.items():
-            if not is_companion(companion):
+            if not is_companion(companion) or (main not in scheduled and companion not in scheduled):
                 continue
-            if (main in scheduled) != (companion in scheduled):
-                raise RuntimeError(f"CFG pair {main}: only one member was scheduled (pair invariant broken)")
+            lengths = {self.requests[r].num_computed_tokens for r in (main, companion) if r in scheduled}
+            if main not in scheduled or companion not in scheduled or len(lengths) != 1:
+                raise RuntimeError(f"CFG pair {main}: members out of step (pair invariant broken)")
 
     # ---- results and finishing --------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        had_pairs = bool(self.partner)
+        # A companion ended while a step of it was in flight still reports (async scheduling).
+        had_pairs = bool(self.partner) or self._updates_without_pairs < 2
         runner_outputs = getattr(model_runner_output, "multimodal_outputs", None)
         runner_outputs = runner_outputs if isinstance(runner_outputs, StepOutputs) else None  # None: per-request payloads
         self._updating = True
@@ -227,7 +357,9 @@ class _PairedCFGMixin:
             self._updating = False
         self._finish_orphans()
         if had_pairs:
+            self._end_guided_segments()
             self._drop_companion_outputs(outputs)
+        self._updates_without_pairs = 0 if self.partner else self._updates_without_pairs + 1
         # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
         step_outputs = [o for e in outputs.values() for o in e.outputs]
         self.frame_blocks.regroup(step_outputs, runner_outputs, model_runner_output.req_id_to_index, self.requests)
@@ -254,6 +386,8 @@ class _PairedCFGMixin:
         self.frame_blocks.forget(request.request_id, after_this_step=self._updating)
         other = self.partner.pop(request.request_id, None)
         self._held_steps.pop(request.request_id, None)
+        self._guided.pop(request.request_id, None)
+        self._guided_from.pop(request.request_id, None)
         if other in self.partner:
             self._orphans.add(other)
         return super()._free_request(request, *args, **kwargs)
