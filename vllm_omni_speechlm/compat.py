@@ -301,19 +301,20 @@ def dispatch_route(path: str, serves: Callable[[Any], bool], handler: Callable[[
     api_server.router.add_api_route(path, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses)
 
 
+def _resample_as_stream(audio_tensor: Any, source_rate: int, target_rate: int) -> Any:
+    from vllm_omni.utils.audio_resample import StreamingAudioResampler
+
+    if source_rate == target_rate:
+        return audio_tensor
+    return StreamingAudioResampler(source_rate, target_rate).process(audio_tensor, final=True)
+
+
 def whole_answers_resampled_as_streams(serving_speech: Any) -> None:
     """Make vllm-omni's speech handler resample a whole answer with the resampler it streams with.
     It resamples a stream with its chunk-invariant polyphase filter and a whole answer with
     torchaudio's, so the two differ; with one filter, a stream is the whole answer's samples.
     The handler serves one model: this server's speech LM. Idempotent."""
-    from vllm_omni.utils.audio_resample import StreamingAudioResampler
-
-    def resample(audio_tensor: Any, source_rate: int, target_rate: int) -> Any:
-        if source_rate == target_rate:
-            return audio_tensor
-        return StreamingAudioResampler(source_rate, target_rate).process(audio_tensor, final=True)
-
-    serving_speech._resample_audio = resample
+    serving_speech._resample_audio = _resample_as_stream
 
 
 # ---- JIT warm-up ----------------------------------------------------------------------------
