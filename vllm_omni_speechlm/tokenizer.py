@@ -139,8 +139,14 @@ class _Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn prompt (model facts' format), ending in <|assistant|>."""
+def encode_prompt(
+    tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None = None, text_only: bool = False
+) -> list[int]:
+    """Token ids of a one-turn prompt, ending in <|assistant|>: the chat format (model facts'),
+    or ESPnet's dialogue format where the layout has `dialogue_tasks` (`text_only`: the answer
+    is text only, which picks the task token)."""
+    if cfg.dialogue_tasks is not None:
+        return _dialogue_prompt(tokenizer, cfg, user, system, text_only)
     sp = cfg.specials
 
     def turn(role: int, text: str) -> list[int]:
@@ -153,6 +159,22 @@ def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: s
     if system:
         ids += turn(sp.system, system)
     return ids + turn(sp.user, user) + [sp.assistant]
+
+
+def _dialogue_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None, text_only: bool) -> list[int]:
+    """ESPnet's dialogue sequence (the speechlm3 preprocessor's, which OpusLM was trained on):
+    <sos/eos>, the task token, then per message its role, <text_bpe_start/end>, the text and
+    S-1 pad rows (the delay pattern's gap between segments); then the answer's role."""
+    sp = cfg.specials
+    gap = [sp.pad] * (cfg.num_streams - 1)
+
+    def message(role: int, text: str) -> list[int]:
+        return [role, sp.text, *_encode(tokenizer, text), *gap]
+
+    ids = [sp.eos, cfg.dialogue_tasks[0 if text_only else 1]]
+    if system:
+        ids += message(sp.system, system)
+    return ids + message(sp.user, user) + [sp.assistant]
 
 
 def _encode(tokenizer: _Encoder, text: str) -> list[int]:

@@ -52,7 +52,7 @@ def _walk(mode: OutputMode, tokens: list[int], p: SpeechSamplingParams):
     phase, step, seg = torch.tensor([int(P.START)]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     m, out = torch.tensor([int(mode)]), []
     for tok in tokens:
-        tok = RULES.emitted_token(phase, m, seg, torch.tensor([tok]))
+        tok = RULES.emitted_token(phase, step, m, seg, torch.tensor([tok]))
         phase, step, seg, ended = RULES.step(phase, step, m, seg, tok, rows)
         out.append((int(tok), int(phase), int(seg), bool(ended)))
     return out
