@@ -118,6 +118,27 @@ def backbone_text_vocab(tokenizer: Tokenizer, size: int) -> tuple[dict[str, int]
     return vocab, merges
 
 
+def chat_template(cfg: SpeechLMConfig) -> str:
+    """The tokenizer's chat template: `encode_prompt`'s format. ESPnet's dialogue format names its
+    task by the answer's modality, which a template cannot see: it renders the audio one."""
+    if cfg.dialogue_tasks is None:
+        return CHAT_TEMPLATE
+    names = special_token_strings(cfg)
+    sp = cfg.specials
+    gap = names[sp.pad] * (cfg.num_streams - 1)
+    role = {"system": names[sp.system], "user": names[sp.user]}
+    return (
+        "{{ '" + names[sp.eos] + names[cfg.dialogue_tasks[1]] + "' }}"
+        "{% for m in messages %}"
+        + "".join(
+            f"{{% {'if' if i == 0 else 'elif'} m['role'] == '{r}' %}}{{{{ '{t}{names[sp.text]}' + m['content'] + '{gap}' }}}}"
+            for i, (r, t) in enumerate(role.items())
+        )
+        + "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '" + names[sp.assistant] + "' }}{% endif %}"
+    )
+
+
 def write_hf_tokenizer(tok: Tokenizer, cfg: SpeechLMConfig, out_dir: str | os.PathLike) -> None:
     """tokenizer.json + tokenizer_config.json, loadable by transformers' AutoTokenizer and vLLM."""
     tok.save(os.path.join(out_dir, "tokenizer.json"))
@@ -129,7 +150,7 @@ def write_hf_tokenizer(tok: Tokenizer, cfg: SpeechLMConfig, out_dir: str | os.Pa
         "pad_token": sp["pad"],
         "add_bos_token": False,
         "model_max_length": 1 << 20,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(cfg),
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
