@@ -95,20 +95,18 @@ class OutputMode(enum.IntEnum):
 
 
 class RowKind(enum.IntEnum):
-    TEXT = 0  # text, <|eot|> or <|eos|>
-    TEXT_NO_EOS = 1  # text or <|eot|> (delay rules: a text part that audio follows)
-    CHOOSE = 2  # a modality marker
-    AUDIO = 3  # stream 0 codes, <|eos|> (and <|eot|> under the parallel rules); streams 1..S-1 sampled
-    FORCE_TEXT = 4
-    FORCE_AUDIO = 5
-    FORCE_ASSISTANT = 6
-    FORCE_EOT = 7  # delay rules: the text budget (`max_text_tokens`) is spent
-    AUDIO_NO_EOS = 8  # an audio row before the minimum audio length: no eos, no eot
-    FORCE_PAD = 9  # a drain row: stream 0 is pad
-    FORCE_EOS = 10  # the drain is over, or the answer ended at a max length
-    TEXT_NO_END = 11  # a text row before the minimum text length: no eos, no eot
-    DRAIN_AUDIO = 12  # the first drain row: every stream sampled as audio (ESPnet's late finish index)
-    FORCE_BLANK = 13  # a text drain row: every stream pad
+    TEXT = 0  # text, <|eos|> (parallel rules: also <|eot|>; delay rules: also the text marker)
+    CHOOSE = 1  # a modality marker
+    AUDIO = 2  # stream 0 codes, <|eos|> (and <|eot|> under the parallel rules); streams 1..S-1 sampled
+    FORCE_TEXT = 3
+    FORCE_AUDIO = 4
+    FORCE_ASSISTANT = 5
+    AUDIO_NO_EOS = 6  # an audio row before the minimum audio length: no eos, no eot
+    FORCE_PAD = 7  # a drain row: stream 0 is pad
+    FORCE_EOS = 8  # the drain is over, the answer ended at a max length, or a text part's budget is spent
+    TEXT_NO_END = 9  # a text row before the minimum text length: no eos, no eot
+    DRAIN_AUDIO = 10  # the first drain row: every stream sampled as audio (ESPnet's late finish index)
+    FORCE_BLANK = 11  # a text drain row: every stream pad
 
 
 # Enforced modality of segment k (k = 0, 1) per output mode; CHOOSE where none is enforced.
@@ -177,8 +175,6 @@ class DecodingRules:
         allowed[RowKind.TEXT] = allowed[RowKind.TEXT_NO_END]
         # Delay rules: a text part ends with eos, as audio does (ESPnet's text mask has no eot).
         allowed[RowKind.TEXT, [sp.eot, sp.eos] if self.parallel else sp.eos] = True
-        allowed[RowKind.TEXT_NO_EOS] = allowed[RowKind.TEXT]
-        allowed[RowKind.TEXT_NO_EOS, sp.eos] = False
         allowed[RowKind.CHOOSE, [sp.text, sp.audio]] = True
         allowed[RowKind.AUDIO] = allowed[RowKind.AUDIO_NO_EOS]
         allowed[RowKind.AUDIO, [sp.eos, sp.eot] if self.parallel else sp.eos] = True
@@ -187,14 +183,13 @@ class DecodingRules:
         allowed[RowKind.FORCE_TEXT, sp.text] = True
         allowed[RowKind.FORCE_AUDIO, sp.audio] = True
         allowed[RowKind.FORCE_ASSISTANT, sp.assistant] = True
-        allowed[RowKind.FORCE_EOT, sp.eot] = True
         allowed[RowKind.FORCE_PAD, sp.pad] = True
         allowed[RowKind.FORCE_EOS, sp.eos] = True
         # Additive masks: 0 where allowed, -inf elsewhere.
         self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
         # Every id a non-text row may take (stream 0's codec slice and specials, ~1k of ~160k):
         # batches without text rows are masked, top-k'd and scaled on these columns only.
-        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_EOS, RowKind.TEXT_NO_END]
+        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_END]
         narrow = allowed[[k for k in RowKind if k not in text_kinds]].any(dim=0)
         self.non_text_columns = narrow.nonzero().squeeze(1).to(device)
         self.non_text_mask_bias = self.mask_bias[:, self.non_text_columns]
@@ -211,9 +206,6 @@ class DecodingRules:
         table[:, P.DRAIN] = K.FORCE_PAD  # DRAIN_AUDIO first, FORCE_EOS once it is over (row_kinds)
         table[:, P.TEXT_DRAIN] = K.FORCE_BLANK  # a TEXT row first (row_kinds)
         table[:, P.FINAL] = K.FORCE_EOS
-        # A text part over its budget: under the delay rules eos is forced (then drained when
-        # audio follows); under the parallel rules the segment has ended there already (`step`).
-        self.over_budget_kind = int(K.FORCE_EOT if self.parallel else K.FORCE_EOS)
         self.kind_by_phase = table.to(device)
         enforced = torch.tensor([[int(k) for k in (*_ENFORCED[m], K.CHOOSE)] for m in M], dtype=torch.long)
         self.enforced = enforced.to(device)  # [mode, segment clamped to 2]
@@ -252,10 +244,12 @@ class DecodingRules:
         kind = self.kind_by_phase[mode, phase]
         choosing = (phase == int(Phase.START)) | (phase == int(Phase.AFTER_ASSISTANT))
         kind = torch.where(choosing, self.enforced[mode, segment.clamp(max=2)], kind)
-        text = (phase == int(Phase.TEXT)) & ((kind == int(RowKind.TEXT)) | (kind == int(RowKind.TEXT_NO_EOS)))
+        text = (phase == int(Phase.TEXT)) & (kind == int(RowKind.TEXT))
         kind = torch.where(text & (phase_step < p.min_text), int(RowKind.TEXT_NO_END), kind)
+        # Delay rules: a text part over budget gets a forced eos (then drained when audio follows);
+        # under the parallel rules the segment has ended there already (`step`).
         over_budget = (phase == int(Phase.TEXT)) & (phase_step >= p.max_text)
-        kind = torch.where(over_budget, self.over_budget_kind, kind)
+        kind = torch.where(over_budget, int(RowKind.FORCE_EOS), kind)
         dec, s = self.cfg.decoding, self.cfg.num_streams
         min_audio = p.min_audio.clamp(min=dec.min_audio_frames)
         too_short = (kind == int(RowKind.AUDIO)) & (phase_step < min_audio)
