@@ -1,4 +1,5 @@
-"""Golden Bagpiper decodings from ESPnet's own inference code (the parity oracle).
+"""Golden Bagpiper decodings from ESPnet's own inference code (the parity oracle). OpusLM's:
+scripts/espnet_goldens_opuslm.py (it shares this script's helpers).
 
     ESPNET_SRC=/path/to/espnet python scripts/espnet_goldens.py --export DIR --out GOLDENS.json \
         [--keys KEYS.txt] [--produced-by TEXT]

@@ -136,12 +136,16 @@ class DecodingSpec:
     on eos; the model embeds it as eos), and an answer that ends at a max length gets one forced
     eos row so that vLLM stops.
 
-    False (OpusLM, ESPnet's ar_delay): audio ends with eos only (after `min_audio_frames`), a text
-    part that audio follows ends with eot (forced after `max_text_tokens`), a text-only answer
-    stops at eot, the modality choice is sampled; stream s is forced to pad while the audio step
-    is < s (delay warm-up); and audio ends with a drain: the first eos stream 0 samples is
-    emitted as `deferred_eos`, then S-1 steps force pad on stream 0 while streams s > drain step
-    still emit their last frames, then a forced eos stops the request.
+    False (OpusLM, ESPnet's ar_delay.py): each segment ends with eos (audio after
+    `min_audio_frames`; text is forced to eos after `max_text_tokens`); stream 0 may also emit
+    its segment's own modality marker, streams 1..S-1 pad (ESPnet's masks); the modality choice
+    is sampled; stream s is forced to pad while the audio step is < s (delay warm-up). A segment
+    that does not end the answer, and every audio segment, ends with a drain as ESPnet decodes
+    it: the eos is emitted as `deferred_eos`; the next row is sampled whole (ESPnet sets its
+    finish index one step late); drain row d = 2..S forces streams < d to pad. An audio drain's
+    row S is a forced eos that stops the request; a text drain's is all pad, and the next
+    segment's `<|assistant|>` and modality marker follow. Drain rows are fed back as sampled;
+    the cells past the clip's end (stream s of drain row s) are emitted as pad.
     """
 
     parallel_segments: bool = True
@@ -190,6 +194,9 @@ class SpeechLMConfig:
     prompt_text_zero_is_pad: bool = False
     # The stream embedding is added to stream 0 too (OpusLM's per-stream head bias).
     primary_stream_embedding: bool = False
+    # ESPnet's dialogue prompt (OpusLM): the task token of a text-only answer and of any other
+    # (text_dialogue, audio_dialogue); None: the chat prompt (tokenizer.encode_prompt).
+    dialogue_tasks: tuple[int, int] | None = None
     codec: CodecSpec = field(default_factory=CodecSpec)
     decoding: DecodingSpec = field(default_factory=DecodingSpec)
 
@@ -216,6 +223,12 @@ class SpeechLMConfig:
     def aux_stream_width(self) -> int:
         """Width shared by streams 1..S-1 (sampled together in one batched projection)."""
         return self.stream_sizes[1] if self.num_streams > 1 else 0
+
+    @property
+    def aux_sample_width(self) -> int:
+        """Columns streams 1..S-1 sample from: their slice, and under the delay rules a last
+        column for the special pad (ESPnet's build_mask lets streams 1..S-1 emit pad)."""
+        return self.aux_stream_width + (0 if self.decoding.parallel_segments else 1)
 
     # ---- validation -----------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -257,6 +270,9 @@ class SpeechLMConfig:
         for name, tok in self.specials.items():
             if not isinstance(tok, int) or not lo <= tok < hi:
                 raise _fail(f"specials.{name}", f"{tok!r} is outside special_range [{lo}, {hi})")
+        tasks = self.dialogue_tasks
+        if tasks is not None and (len(tasks) != 2 or not all(isinstance(t, int) and lo <= t < hi for t in tasks)):
+            raise _fail("dialogue_tasks", f"needs two special ids in [{lo}, {hi}), got {tasks!r}")
 
     def _validate_codec(self) -> None:
         c = self.codec
@@ -279,8 +295,8 @@ class SpeechLMConfig:
             raise _fail("vocab_size", f"{d['vocab_size']} differs from the model's vocab_size {vocab_size}")
         kw = dict(d)
         kw.setdefault("vocab_size", vocab_size)
-        for key in ("special_range", "text_range", "stream_sizes"):
-            if key in kw:
+        for key in ("special_range", "text_range", "stream_sizes", "dialogue_tasks"):
+            if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         nested = {"specials": SpecialIds, "codec": CodecSpec, "decoding": DecodingSpec}
         nested |= {"text_sampling": ModalitySampling, "audio_sampling": ModalitySampling}
@@ -294,8 +310,9 @@ class SpeechLMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in ("special_range", "text_range", "stream_sizes"):
-            d[key] = list(d[key])
+        for key in ("special_range", "text_range", "stream_sizes", "dialogue_tasks"):
+            if d[key] is not None:
+                d[key] = list(d[key])
         return d
 
     @classmethod
@@ -346,20 +363,21 @@ BAGPIPER_DEFERRED_EOS = 255
 
 
 # OpusLM special ids (ESPnet `espnet2/speechlm/definitions.py`: 0-31 general, 32-63 modality
-# markers, 64-127 task tokens). The chat roles have no OpusLM equivalent: they are mapped to the
-# dialogue task tokens / the segment end so the shared phase machine has ids to work with.
+# markers, 64-127 task tokens). ESPnet's dialogue prompt opens with <sos/eos> (`eos`), so `bos`
+# is a placeholder; eot is never sampled (ESPnet ends every segment with eos).
 OPUSLM_SPECIALS = SpecialIds(
     pad=0,
-    bos=1,
+    bos=1,  # <unk>: not used by the dialogue prompt
     eos=5,  # <sos/eos>
     eot=6,  # <local_sos/eos>
-    system=64,  # <textlm_task>
-    user=88,  # text_dialogue task
-    assistant=89,  # audio_dialogue task
+    system=8,  # <system_prompt>
+    user=9,  # <user_input>
+    assistant=10,  # <assistant_output>
     text=35,  # <text_bpe_start/end>
     audio=34,  # <codec_ssl_start/end>
 )
-OPUSLM_DEFERRED_EOS = 8  # <unused_token_8>
+OPUSLM_DIALOGUE_TASKS = (88, 89)  # <text_dialogue_task>, <audio_dialogue_task> of the released token lists
+OPUSLM_DEFERRED_EOS = 31  # <unused_token_31>: never in a prompt, never sampled
 OPUSLM_TEXT_VOCAB = {"opuslm": 100352, "opuslm-dialogue": 49152}  # OLMo-2 / SmolLM2 tokenizers
 OPUSLM_VOCAB_PADDING = 70  # released vocabularies: 113870 = 113800 + 70, 62670 = 62600 + 70
 
@@ -389,6 +407,7 @@ def opuslm_layout(
         stream_pad_slot=False,
         specials=OPUSLM_SPECIALS,
         primary_stream_embedding=True,
+        dialogue_tasks=OPUSLM_DIALOGUE_TASKS,
         codec=CodecSpec(type="dac"),
         decoding=DecodingSpec(
             parallel_segments=False,

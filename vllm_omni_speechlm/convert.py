@@ -76,7 +76,10 @@ RELEASED_BACKBONES = {
 }
 CORELM = "corelm."
 # ESPnet special-token strings the layout relies on (espnet2/speechlm/definitions.py).
-EXPECTED_TOKENS = {0: "<pad>", 5: "<sos/eos>", 34: "<codec_ssl_start/end>", 35: "<text_bpe_start/end>"}
+# The dialogue prompt's roles and task tokens too (tokenizer.encode_prompt).
+EXPECTED_TOKENS = {0: "<pad>", 5: "<sos/eos>", 8: "<system_prompt>", 9: "<user_input>", 10: "<assistant_output>",
+                   34: "<codec_ssl_start/end>", 35: "<text_bpe_start/end>", 88: "<text_dialogue_task>",
+                   89: "<audio_dialogue_task>"}
 
 
 def _fail(message: str) -> ValueError:

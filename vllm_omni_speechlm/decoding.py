@@ -13,20 +13,27 @@ enforced one, else the greedy choice of <|text|> / <|audio|>) and that modality'
     TEXT / AUDIO --<|eot|>, or eos / max length while an enforced modality is still to come-->
         TRANSITION --(forced <|assistant|>)--> AFTER_ASSISTANT
     TEXT / AUDIO --<|eos|>--> DONE;  --max length, nothing enforced left--> FINAL --(forced eos)--> DONE
-    AUDIO --deferred eos--> DRAIN --(S-1 forced pads, then a forced <|eos|>)--> DONE   (drain families)
+    AUDIO --deferred eos--> DRAIN --(S-1 rows, then a forced <|eos|>)--> DONE            (delay rules)
+    TEXT --deferred eos (audio follows)--> TEXT_DRAIN --(S rows)--> TRANSITION          (delay rules)
 
-eos and eot are masked before a segment's minimum length (text and audio alike); nothing is
-forced at its maximum. A segment's last row is fed back with streams 1..S-1 pad. An eos that
-does not end the answer is emitted as `DecodingSpec.deferred_eos` (vLLM stops on eos; the model
-embeds it as eos). The delay rules (OpusLM, `parallel_segments` false) keep eot out of audio,
-end a text part that audio follows with a forced eot at `max_text_tokens`, and drain.
+Parallel rules (Bagpiper): eos and eot are masked before a segment's minimum length (text and
+audio alike); nothing is forced at its maximum. A segment's last row is fed back with streams
+1..S-1 pad. An eos that does not end the answer is emitted as `DecodingSpec.deferred_eos` (vLLM
+stops on eos; the model embeds it as eos).
+
+Delay rules (OpusLM, `parallel_segments` false, ESPnet's ar_delay.py): every segment ends with
+eos (no eot; eos is forced at `max_text_tokens`), and, unless it is a text segment that ends the
+answer, drains as ESPnet decodes it: the row after eos is sampled whole, drain row d >= 2 forces
+streams < d to pad; every row is fed back as sampled (`aux_sampled`), while the emitted row pads
+the cells past the clip's end (`aux_kept`). Stream 0 may also emit its segment's own marker,
+streams 1..S-1 pad (one more aux column: `SpeechLMConfig.aux_sample_width`).
 
 The row kind (which mask and which modality's sampling a row gets) follows from the phase, the
 output mode and the segment index; `phase_step` (0 on the first row of a phase) gives the
 minimum and maximum lengths and the family rules of `DecodingSpec`: in AUDIO, stream s is forced
-to pad while phase_step < s (delay warm-up); in DRAIN (drain row d = phase_step + 1), stream 0
-is forced to pad for d < S and to eos at d = S, and stream s >= 1 still samples its last frames
-while d < s.
+to pad while phase_step < s (delay warm-up); in DRAIN (drain row d = phase_step + 1), row 1 is
+DRAIN_AUDIO (all streams sampled), rows 2..S-1 FORCE_PAD (streams s >= d sampled), row S a
+forced eos; in TEXT_DRAIN row 1 is a TEXT row, rows 2..S all pad.
 
 Tensors are compared with `int(...)` of the enums: torch.compile (the engine compiles this math
 on CUDA) folds `tensor == IntEnum` to a Python bool.
@@ -63,8 +70,9 @@ class Phase(enum.IntEnum):
     AFTER_ASSISTANT = 3  # the next segment's modality token
     AUDIO = 4
     DONE = 5
-    DRAIN = 6  # after the (deferred) eos of a drain family: streams 1..S-1 finish their frames
+    DRAIN = 6  # after the (deferred) eos of a drain family's audio: streams 1..S-1 finish their frames
     FINAL = 7  # the answer ended at a segment's max length: a forced eos row stops the request
+    TEXT_DRAIN = 8  # delay rules: after the (deferred) eos of a text part that another segment follows
 
 
 class OutputMode(enum.IntEnum):
@@ -87,18 +95,18 @@ class OutputMode(enum.IntEnum):
 
 
 class RowKind(enum.IntEnum):
-    TEXT = 0  # text, <|eot|> or <|eos|>
-    TEXT_NO_EOS = 1  # text or <|eot|> (delay rules: a text part that audio follows)
-    CHOOSE = 2  # a modality marker
-    AUDIO = 3  # stream 0 codes, <|eos|> (and <|eot|> under the parallel rules); streams 1..S-1 sampled
-    FORCE_TEXT = 4
-    FORCE_AUDIO = 5
-    FORCE_ASSISTANT = 6
-    FORCE_EOT = 7  # delay rules: the text budget (`max_text_tokens`) is spent
-    AUDIO_NO_EOS = 8  # an audio row before the minimum audio length: no eos, no eot
-    FORCE_PAD = 9  # a drain row: stream 0 is pad
-    FORCE_EOS = 10  # the drain is over, or the answer ended at a max length
-    TEXT_NO_END = 11  # a text row before the minimum text length: no eos, no eot
+    TEXT = 0  # text, <|eos|> (parallel rules: also <|eot|>; delay rules: also the text marker)
+    CHOOSE = 1  # a modality marker
+    AUDIO = 2  # stream 0 codes, <|eos|> (and <|eot|> under the parallel rules); streams 1..S-1 sampled
+    FORCE_TEXT = 3
+    FORCE_AUDIO = 4
+    FORCE_ASSISTANT = 5
+    AUDIO_NO_EOS = 6  # an audio row before the minimum audio length: no eos, no eot
+    FORCE_PAD = 7  # a drain row: stream 0 is pad
+    FORCE_EOS = 8  # the drain is over, the answer ended at a max length, or a text part's budget is spent
+    TEXT_NO_END = 9  # a text row before the minimum text length: no eos, no eot
+    DRAIN_AUDIO = 10  # the first drain row: every stream sampled as audio (ESPnet's late finish index)
+    FORCE_BLANK = 11  # a text drain row: every stream pad
 
 
 # Enforced modality of segment k (k = 0, 1) per output mode; CHOOSE where none is enforced.
@@ -118,7 +126,7 @@ def enforced_kind(mode: OutputMode, segment: int) -> RowKind:
 
 def is_audio_row(kind: torch.Tensor) -> torch.Tensor:
     """[N] RowKind -> [N] bool: rows sampled as audio (audio settings, CFG, aux streams)."""
-    return (kind == int(RowKind.AUDIO)) | (kind == int(RowKind.AUDIO_NO_EOS))
+    return (kind == int(RowKind.AUDIO)) | (kind == int(RowKind.AUDIO_NO_EOS)) | (kind == int(RowKind.DRAIN_AUDIO))
 
 
 def aux_seed(seed: int) -> int:
@@ -165,26 +173,29 @@ class DecodingRules:
         sp, v = cfg.specials, cfg.vocab_size
         allowed = torch.zeros(len(RowKind), v, dtype=torch.bool)
         allowed[RowKind.TEXT_NO_END, slice(*cfg.text_range)] = True
-        allowed[RowKind.TEXT] = allowed[RowKind.TEXT_NO_END]
-        allowed[RowKind.TEXT, [sp.eot, sp.eos]] = True
-        allowed[RowKind.TEXT_NO_EOS] = allowed[RowKind.TEXT]
-        allowed[RowKind.TEXT_NO_EOS, sp.eos] = False
-        allowed[RowKind.CHOOSE, [sp.text, sp.audio]] = True
         s0 = cfg.streams[0]
         allowed[RowKind.AUDIO_NO_EOS, s0.vocab_start : s0.vocab_end] = True
+        if not self.parallel:  # ESPnet's build_mask: stream 0 may emit its segment's own marker
+            allowed[RowKind.TEXT_NO_END, sp.text] = True
+            allowed[RowKind.AUDIO_NO_EOS, sp.audio] = True
+        allowed[RowKind.TEXT] = allowed[RowKind.TEXT_NO_END]
+        # Delay rules: a text part ends with eos, as audio does (ESPnet's text mask has no eot).
+        allowed[RowKind.TEXT, [sp.eot, sp.eos] if self.parallel else sp.eos] = True
+        allowed[RowKind.CHOOSE, [sp.text, sp.audio]] = True
         allowed[RowKind.AUDIO] = allowed[RowKind.AUDIO_NO_EOS]
         allowed[RowKind.AUDIO, [sp.eos, sp.eot] if self.parallel else sp.eos] = True
+        allowed[RowKind.DRAIN_AUDIO] = allowed[RowKind.AUDIO]
+        allowed[RowKind.FORCE_BLANK, sp.pad] = True
         allowed[RowKind.FORCE_TEXT, sp.text] = True
         allowed[RowKind.FORCE_AUDIO, sp.audio] = True
         allowed[RowKind.FORCE_ASSISTANT, sp.assistant] = True
-        allowed[RowKind.FORCE_EOT, sp.eot] = True
         allowed[RowKind.FORCE_PAD, sp.pad] = True
         allowed[RowKind.FORCE_EOS, sp.eos] = True
         # Additive masks: 0 where allowed, -inf elsewhere.
         self.mask_bias = torch.zeros(allowed.shape).masked_fill_(~allowed, NEG_INF).to(device)
         # Every id a non-text row may take (stream 0's codec slice and specials, ~1k of ~160k):
         # batches without text rows are masked, top-k'd and scaled on these columns only.
-        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_EOS, RowKind.TEXT_NO_END]
+        text_kinds = [RowKind.TEXT, RowKind.TEXT_NO_END]
         narrow = allowed[[k for k in RowKind if k not in text_kinds]].any(dim=0)
         self.non_text_columns = narrow.nonzero().squeeze(1).to(device)
         self.non_text_mask_bias = self.mask_bias[:, self.non_text_columns]
@@ -197,10 +208,9 @@ class DecodingRules:
         # (START, AFTER_ASSISTANT) take `enforced[mode, segment]`.
         table = torch.full((len(M), len(P)), int(K.TEXT), dtype=torch.long)
         table[:, P.AUDIO] = K.AUDIO
-        if not self.parallel:
-            table[M.TEXT_AUDIO, P.TEXT] = K.TEXT_NO_EOS
         table[:, P.TRANSITION] = K.FORCE_ASSISTANT
-        table[:, P.DRAIN] = K.FORCE_PAD  # FORCE_EOS once the drain is over (row_kinds)
+        table[:, P.DRAIN] = K.FORCE_PAD  # DRAIN_AUDIO first, FORCE_EOS once it is over (row_kinds)
+        table[:, P.TEXT_DRAIN] = K.FORCE_BLANK  # a TEXT row first (row_kinds)
         table[:, P.FINAL] = K.FORCE_EOS
         self.kind_by_phase = table.to(device)
         enforced = torch.tensor([[int(k) for k in (*_ENFORCED[m], K.CHOOSE)] for m in M], dtype=torch.long)
@@ -217,7 +227,8 @@ class DecodingRules:
         if dec.deferred_eos is not None:  # drain: the audio's eos; parallel: an eos the answer outlives
             nxt[dec.deferred_eos] = P.DRAIN if dec.drain else P.TRANSITION
         self.phase_by_token = nxt.to(device)
-        # Whether a sampled eos is emitted deferred, per phase (drain families: in AUDIO).
+        # Whether a sampled eos is emitted deferred, per phase (drain families: in AUDIO, and on
+        # the first, sampled row of a drain: see `emitted_token`).
         defer = torch.zeros(len(P), dtype=torch.bool)
         if dec.drain:
             defer[P.AUDIO] = True
@@ -239,44 +250,70 @@ class DecodingRules:
         kind = self.kind_by_phase[mode, phase]
         choosing = (phase == int(Phase.START)) | (phase == int(Phase.AFTER_ASSISTANT))
         kind = torch.where(choosing, self.enforced[mode, segment.clamp(max=2)], kind)
-        text = (kind == int(RowKind.TEXT)) | (kind == int(RowKind.TEXT_NO_EOS))
+        text = (phase == int(Phase.TEXT)) & (kind == int(RowKind.TEXT))
         kind = torch.where(text & (phase_step < p.min_text), int(RowKind.TEXT_NO_END), kind)
-        # Delay rules only: a text part over budget gets a forced eot (under the parallel rules
-        # the segment has already ended there, see `step`).
+        # Delay rules: a text part over budget gets a forced eos (then drained when audio follows);
+        # under the parallel rules the segment has ended there already (`step`).
         over_budget = (phase == int(Phase.TEXT)) & (phase_step >= p.max_text)
-        kind = torch.where(over_budget, int(RowKind.FORCE_EOT), kind)
+        kind = torch.where(over_budget, int(RowKind.FORCE_EOS), kind)
         dec, s = self.cfg.decoding, self.cfg.num_streams
         min_audio = p.min_audio.clamp(min=dec.min_audio_frames)
         too_short = (kind == int(RowKind.AUDIO)) & (phase_step < min_audio)
         kind = torch.where(too_short, int(RowKind.AUDIO_NO_EOS), kind)
+        # A drain's first row is sampled whole with its segment's mask, eos allowed (ESPnet sets
+        # its finish index one step after eos, so that row is not forced yet).
+        first = phase_step == 0
+        kind = torch.where((phase == int(Phase.DRAIN)) & first, int(RowKind.DRAIN_AUDIO), kind)
+        kind = torch.where((phase == int(Phase.TEXT_DRAIN)) & first, int(RowKind.TEXT), kind)
         drained = (phase == int(Phase.DRAIN)) & (phase_step >= s - 1)
         return torch.where(drained, int(RowKind.FORCE_EOS), kind)
 
     def aux_sampled(self, kind: torch.Tensor, phase_step: torch.Tensor) -> torch.Tensor:
         """[N] kinds, [N] phase steps -> [N, S-1] bool: which aux streams keep their sampled
-        token (the rest are pad). Audio rows: all (or, with the delay warm-up, streams s <=
-        phase_step); drain row d = phase_step + 1: streams s > d (their last frames)."""
-        audio = is_audio_row(kind)
+        token in the row fed back (the rest are pad). Audio rows: all (or, with the delay
+        warm-up, streams s <= phase_step); the first drain row: all; drain row d = phase_step + 1
+        >= 2: streams s >= d (ESPnet forces streams < d, counting from its late finish index)."""
         step = phase_step[:, None]
-        warm = step >= self.aux_index if self.cfg.decoding.delay_warmup else torch.ones_like(audio[:, None])
+        draining = (kind == int(RowKind.FORCE_PAD))[:, None] & (step + 1 <= self.aux_index)
+        return self._audio_aux(kind, step) | draining
+
+    def aux_kept(self, kind: torch.Tensor, phase_step: torch.Tensor) -> torch.Tensor:
+        """[N] kinds, [N] phase steps -> [N, S-1] bool: the aux tokens of the row emitted (the
+        rest are pad): `aux_sampled` less the cells past the clip's end (stream s of drain row
+        d = s, frame T, which ESPnet samples, feeds back and cuts), so that the emitted rows are
+        exactly the clip's delay pattern."""
+        step = phase_step[:, None]
         draining = (kind == int(RowKind.FORCE_PAD))[:, None] & (step + 1 < self.aux_index)
-        return (audio[:, None] & warm) | draining
+        first_drain = (kind == int(RowKind.DRAIN_AUDIO))[:, None] & (self.aux_index > 1)
+        return (self._audio_aux(kind, step) & ~(kind == int(RowKind.DRAIN_AUDIO))[:, None]) | first_drain | draining
+
+    def _audio_aux(self, kind: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Audio rows' sampled aux streams: all, or with the delay warm-up streams s <= step (the
+        first drain row has step 0 but is past the warm-up: all)."""
+        audio = is_audio_row(kind)[:, None]
+        if not self.cfg.decoding.delay_warmup:
+            return audio.expand(-1, len(self.aux_index))
+        return audio & ((step >= self.aux_index) | (kind == int(RowKind.DRAIN_AUDIO))[:, None])
 
     def _in_segment(self, phase: torch.Tensor) -> torch.Tensor:
         return (phase == int(Phase.TEXT)) | (phase == int(Phase.AUDIO))
+
+    def _draining(self, phase: torch.Tensor) -> torch.Tensor:
+        return (phase == int(Phase.DRAIN)) | (phase == int(Phase.TEXT_DRAIN))
 
     def _more_enforced(self, mode: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
         """[N] bool: an enforced modality is still to come after the current segment."""
         return segment + 1 < self.num_enforced[mode]
 
-    def emitted_token(self, phase: torch.Tensor, mode: torch.Tensor, segment: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """[N] phase, mode, segment, sampled stream-0 token -> the token the request emits: an
-        eos that must not stop the request (vLLM stops on eos) is emitted as the deferred eos:
-        a drain family's audio eos, or (parallel rules) the eos of a segment that an enforced
-        one follows."""
-        defer = self.defer_eos_by_phase[phase]
-        if self.parallel:
-            defer = defer | (self._in_segment(phase) & self._more_enforced(mode, segment))
+    def emitted_token(
+        self, phase: torch.Tensor, phase_step: torch.Tensor, mode: torch.Tensor, segment: torch.Tensor, token: torch.Tensor
+    ) -> torch.Tensor:
+        """[N] phase, phase step, mode, segment, sampled stream-0 token -> the token the request
+        emits: an eos that must not stop the request (vLLM stops on eos) is emitted as the
+        deferred eos: a drain family's audio eos, an eos sampled on a drain's first row, or the
+        eos of a segment that an enforced one follows."""
+        defer = self.defer_eos_by_phase[phase] | (self._draining(phase) & (phase_step == 0))
+        defer = defer | (self._in_segment(phase) & self._more_enforced(mode, segment))
         deferred = self.cfg.decoding.deferred_eos
         return torch.where((token == self.cfg.specials.eos) & defer, -1 if deferred is None else deferred, token)
 
@@ -302,9 +339,22 @@ class DecodingRules:
             at_max = in_segment & (nxt == phase) & (phase_step + 1 >= limit)
             after = torch.where(self._more_enforced(mode, segment), int(Phase.TRANSITION), int(Phase.FINAL))
             nxt = torch.where(at_max, after, nxt)
+        else:
+            nxt = self._drain_step(phase, phase_step, token, nxt)
         ended = in_segment & (nxt != phase)
         step = torch.where(nxt == phase, phase_step + 1, 0)
         return nxt, step, segment + ended.long(), ended & self.parallel
+
+    def _drain_step(self, phase: torch.Tensor, phase_step: torch.Tensor, token: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+        """Delay rules: a deferred eos in text starts a text drain; what a drain samples keeps
+        the phase; the audio drain ends at its forced eos, a text drain after S rows, when the
+        next segment's <|assistant|> is forced (ESPnet prefills the next target's role)."""
+        nxt = torch.where(self._draining(phase), phase, nxt)
+        nxt = torch.where((phase == int(Phase.DRAIN)) & (token == self.cfg.specials.eos), int(Phase.DONE), nxt)
+        text_drained = (phase == int(Phase.TEXT_DRAIN)) & (phase_step + 1 >= self.cfg.num_streams)
+        nxt = torch.where(text_drained, int(Phase.TRANSITION), nxt)
+        deferred = -1 if self.cfg.decoding.deferred_eos is None else self.cfg.decoding.deferred_eos
+        return torch.where((phase == int(Phase.TEXT)) & (token == deferred), int(Phase.TEXT_DRAIN), nxt)
 
     def replay(self, tokens: list[int], mode: OutputMode, p: "RowSampling") -> tuple[Phase, int, int]:
         """(phase, phase step, segment) after an emitted token history (e.g. a preempted request's
@@ -336,10 +386,19 @@ class DecodingRules:
         out = torch.full(raw.shape, NEG_INF, dtype=torch.float32, device=raw.device)
         return out.index_copy_(1, cols, apply_top_k(narrow, top_k, p.max_top_k) * scale)
 
+    def aux_token_ids(self, slots: torch.Tensor, aux_start: torch.Tensor) -> torch.Tensor:
+        """[N, S-1] sampled slots, [S-1] each stream's first id -> token ids: the slice's, or pad
+        for the pad column (`SpeechLMConfig.aux_sample_width`)."""
+        ids = slots + aux_start
+        if self.parallel:
+            return ids
+        return torch.where(slots == self.cfg.aux_stream_width, self.cfg.specials.pad, ids)
+
     def sample_aux_streams(
         self, logits: torch.Tensor, p: "RowSampling", noise: torch.Tensor
     ) -> torch.Tensor:
-        """[N, S-1, W] aux logits (CFG-merged), [N, S-1, W] Exp(1) noise -> [N, S-1] slot ids."""
+        """[N, S-1, W] aux logits (CFG-merged; W = `aux_sample_width`), [N, S-1, W] Exp(1) noise
+        -> [N, S-1] slot ids."""
         n, s, w = logits.shape
         flat = apply_top_k(logits.float().reshape(n * s, w), p.audio_top_k.repeat_interleave(s), p.max_top_k)
         probs = (flat.reshape(n, s, w) / p.audio_divisor[:, None, None]).softmax(dim=-1)

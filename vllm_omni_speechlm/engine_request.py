@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
@@ -28,16 +27,12 @@ def stage0_sampling_params(cfg: SpeechLMConfig, p: SpeechSamplingParams, **overr
     rescales text rows). `overrides`: other SamplingParams fields (e.g. output_kind)."""
     from vllm import SamplingParams
 
-    # Delay rules: a text-only answer stops at eot. Parallel rules: the answer goes on after an
-    # eot, and the model emits eos where it ends (DecodingSpec).
-    text_stops_at_eot = p.modality == OutputMode.TEXT and not cfg.decoding.parallel_segments
-    stop = [cfg.specials.eot] if text_stops_at_eot else []
+    # The model emits eos where the answer ends (an eos it outlives is emitted deferred).
     fields = dict(
         temperature=p.engine_temperature,
         top_k=0,
         seed=p.seed,
         max_tokens=p.max_tokens,
-        stop_token_ids=stop,
         detokenize=False,
     )
     return SamplingParams(**(fields | overrides))

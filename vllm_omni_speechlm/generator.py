@@ -21,6 +21,7 @@ import vllm_omni_speechlm.stage_configs as stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.deploy_checks import DeployPlan
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
@@ -106,10 +107,13 @@ class SpeechLMGenerator:
         self.close()
 
     # ---- requests -------------------------------------------------------------------------
-    def encode(self, prompt: str, system: str | None) -> list[int]:
+    def encode(self, prompt: str, system: str | None, params: SpeechSamplingParams | None = None) -> list[int]:
+        """A prompt's ids; `params` (the request's options) tells a text-only answer, which
+        ESPnet's dialogue prompt (OpusLM) marks with its task token."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompts: each prompt must be a non-empty string, got {prompt!r}")
-        return encode_prompt(self.tokenizer, self.cfg, prompt, system=system)
+        text_only = params is not None and params.modality == OutputMode.TEXT
+        return encode_prompt(self.tokenizer, self.cfg, prompt, system=system, text_only=text_only)
 
     def engine_request(self, prompt_ids: list[int], params: SpeechSamplingParams) -> tuple[dict, Any]:
         """(prompt dict, vLLM SamplingParams) of one request (see `engine_request.py`)."""
@@ -135,7 +139,8 @@ class SpeechLMGenerator:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts: expected a non-empty string or list of strings")
-        requests = [self.engine_request(self.encode(p, system), self._params(text_only, modality, sampling)) for p in prompts]
+        params = self._params(text_only, modality, sampling)
+        requests = [self.engine_request(self.encode(p, system, params), params) for p in prompts]
         # One SamplingParams per stage for the whole call (Omni takes one per stage).
         stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
         by_request: dict[str, list[Any]] = {}  # two-stage: stage 0's text and stage 1's audio
@@ -160,7 +165,8 @@ class SpeechLMGenerator:
         With a streaming deployment (`bagpiper_streaming.yaml`) a chunk is one window (the first
         after ~10 frames); with any other deployment the whole clip is one chunk at the end.
         Closing the iterator early aborts the request. Options as in `generate`."""
-        request = self.engine_request(self.encode(prompt, system), self._params(text_only, modality, sampling))
+        params = self._params(text_only, modality, sampling)
+        request = self.engine_request(self.encode(prompt, system, params), params)
         if not self.plan.two_stage:
             [result] = self.generate(prompt, system=system, text_only=text_only, modality=modality, **sampling)
             if result["waveform"] is not None:

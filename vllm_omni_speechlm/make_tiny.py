@@ -1,7 +1,7 @@
 """`speechlm-make-tiny`: write a complete tiny random checkpoint of a model family.
 
     speechlm-make-tiny --family {bagpiper,opuslm,opuslm-dialogue} --out DIR [--seed N]
-    speechlm-make-tiny --family bagpiper --espnet-export --out DIR [--seed N]
+    speechlm-make-tiny --family {bagpiper,opuslm,opuslm-dialogue} --espnet-export --out DIR [--seed N]
 
 The directory is what a real converted checkpoint looks like: `config.json` (backbone fields +
 the `speechlm` section), `model.safetensors` (Hugging Face parameter names plus
@@ -14,6 +14,13 @@ Bagpiper's tiny checkpoint is the conversion of a tiny ESPnet export (espnet_bag
 also carries a tiny audio tower and adaptor (`audio_tower.*`, `audio_adaptor.*`) that serving
 skips. `--espnet-export` writes that export itself: `model.pth` (`{"module": state_dict}`),
 `backbone/config.json` + `backbone/tokenizer.json` (the tiny Qwen3), `xcodec/config.json`.
+
+OpusLM's `--espnet-export` writes the tiny checkpoint as an ESPnet experiment: `config.yaml`
+(token_list, token_bias, codec_token_in_use, ...) and `model.pth` (`corelm.*` names, as
+espnet2/speechlm/espnet_model.py saves them), plus `backbone/` (the tiny OLMo-2 / Llama that
+`hf_model_tag` names: config.json over the text vocabulary, tokenizer.json) and `codec/` (the
+tiny DAC). `speechlm-convert --family F` of it gives back the `speechlm-make-tiny --family F`
+directory byte for byte.
 """
 
 from __future__ import annotations
@@ -345,8 +352,12 @@ def tiny_text_tokenizer() -> Tokenizer:
 
 def tiny_qwen3_config(geo: BackboneGeometry, text_vocab_size: int) -> dict:
     """The tiny backbone's own config.json (a Qwen3ForCausalLM over the text vocabulary only)."""
-    layout = bagpiper_layout(text_vocab_size)
-    config = backbone_config(layout, geo, "qwen3", "Qwen3ForCausalLM")
+    return text_backbone_config(bagpiper_layout(text_vocab_size), geo, "qwen3", "Qwen3ForCausalLM", text_vocab_size)
+
+
+def text_backbone_config(layout: SpeechLMConfig, geo: BackboneGeometry, model_type: str, arch: str, text_vocab_size: int) -> dict:
+    """A backbone's own config.json: the plain Hugging Face text LM over the text vocabulary."""
+    config = backbone_config(layout, geo, model_type, arch)
     for key in (SPEECHLM_KEY, "bos_token_id", "eos_token_id", "pad_token_id"):
         del config[key]  # the unified vocabulary's, not the text model's
     return config | {"vocab_size": text_vocab_size}
@@ -403,19 +414,112 @@ def _make_tiny_bagpiper(out_dir: str | os.PathLike, seed: int) -> SpeechLMConfig
     return layout
 
 
+# ---- OpusLM: the tiny checkpoint as an ESPnet experiment (what `speechlm-convert` reads) --------
+
+# espnet2/speechlm/definitions.py: general specials (roles at 8..10), modality markers from 32,
+# task tokens from 64. The released OpusLM token lists put the dialogue tasks at 88 / 89 (the
+# layout's `dialogue_tasks`); the other task slots are unused here.
+ESPNET_GENERAL = ["<pad>", "<unk>", "<blank>", "<space>", "<continuous_placeholder>", "<sos/eos>", "<local_sos/eos>",
+                  "<unkown_task_identifer>", "<system_prompt>", "<user_input>", "<assistant_output>", "<eou>"]
+ESPNET_MODALITIES = ["codec", "ssl", "codec_ssl", "text_bpe", "g2p", "spk", "class", "bool", "video_ssl", "svs_lb",
+                     "image"]
+ESPNET_TASKS = {64: "textlm", 65: "codec_ssl_audiolm", 66: "codec_ssl_asr", 67: "codec_ssl_tts",
+                88: "text_dialogue", 89: "audio_dialogue"}
+ESPNET_EXPERIMENT_CONFIG = "config.yaml"
+ESPNET_BACKBONE_ARCH = {"olmo2": "Olmo2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def espnet_token_list(layout: SpeechLMConfig, text_vocab: dict[str, int]) -> list[str]:
+    """ESPnet's expanded token_list for an OpusLM layout: specials, SSL units, codec codes per
+    layer, the backbone's text tokens, then unused padding up to the vocabulary size."""
+    specials = [f"<unused_token_{i}>" for i in range(256)]
+    specials[: len(ESPNET_GENERAL)] = ESPNET_GENERAL
+    specials[32 : 32 + len(ESPNET_MODALITIES)] = [f"<{m}_start/end>" for m in ESPNET_MODALITIES]
+    for idx, task in ESPNET_TASKS.items():
+        specials[idx] = f"<{task}_task>"
+    ssl = [f"<ssl_code{i + 1}>" for i in range(layout.streams[0].codebook_size)]
+    codec = [f"<codec_layer{q}_code{c}>" for q, s in enumerate(layout.streams[1:]) for c in range(s.codebook_size)]
+    text = [t for t, _ in sorted(text_vocab.items(), key=lambda kv: kv[1])]
+    tokens = specials + ssl + codec + text
+    return tokens + [f"<unused_text_token_{i}>" for i in range(len(tokens), layout.vocab_size)]
+
+
+def espnet_experiment_config(layout: SpeechLMConfig, text_vocab: dict[str, int], n_ctx: int) -> dict:
+    """The keys of an ESPnet SpeechLM config.yaml that the core LM's build and the converter read."""
+    lo, hi = layout.streams[1].vocab_start, layout.streams[-1].vocab_end
+    return {
+        "token_list": espnet_token_list(layout, text_vocab),
+        # process_token_bias's output (modality -> [start, end)), as build_model saves it.
+        "token_bias": {"special_token": [0, 256], "ssl": [layout.streams[0].vocab_start, lo], "codec": [lo, hi],
+                       "text_bpe": list(layout.text_range)},
+        "codec_token_in_use": layout.num_streams,
+        "corelm": "ar_delay",
+        "corelm_conf": {},
+        "transformer": "huggingface",
+        "transformer_conf": {"hf_model_tag": EXPORT_BACKBONE, "n_ctx": n_ctx, "dtype": "float32",
+                             "attention_choice": "sdpa"},
+    }
+
+
+def espnet_corelm_state(weights: dict[str, torch.Tensor], layout: SpeechLMConfig) -> dict[str, torch.Tensor]:
+    """Served names -> ESPnet's (`convert_weights` in reverse): the body under
+    corelm.decoders.model (its input embedding removed, as HFTransformerDecoder does), `emb`,
+    `lm_head`, and `head_emb` with one row per stream (ARParallelLM's nq rows)."""
+    state = {
+        "corelm.emb.weight": weights["model.embed_tokens.weight"],
+        "corelm.lm_head.weight": weights["lm_head.weight"],
+        "corelm.head_emb.weight": weights["stream_embeddings.weight"][: layout.num_streams],
+    }
+    for key, tensor in sorted(weights.items()):
+        if key.startswith("model.") and key != "model.embed_tokens.weight":
+            state["corelm.decoders." + key] = tensor
+    return state
+
+
+def write_tiny_opuslm_export(out_dir: str | os.PathLike, seed: int = 0, family: str = "opuslm") -> dict[str, str]:
+    """The tiny OpusLM of `seed` as an ESPnet experiment; returns the paths `speechlm-convert`
+    takes (checkpoint, config, text_tokenizer, backbone_config, codec)."""
+    fam = FAMILIES[family]
+    text_vocab, merges = train_text_bpe(TINY_TEXT_VOCAB)
+    layout = fam.layout(len(text_vocab))
+    geo = BackboneGeometry(rope_theta=fam.rope_theta, rms_norm_eps=fam.rms_norm_eps)
+    weights = random_weights(layout, geo, seed, fam.model_type)
+    paths = {
+        "checkpoint": os.path.join(out_dir, EXPORT_CHECKPOINT),
+        "config": os.path.join(out_dir, ESPNET_EXPERIMENT_CONFIG),
+        "backbone_config": os.path.join(out_dir, EXPORT_BACKBONE, "config.json"),
+        "text_tokenizer": os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer.json"),
+        "codec": os.path.join(out_dir, "codec"),
+    }
+    os.makedirs(os.path.join(out_dir, EXPORT_BACKBONE), exist_ok=True)
+    torch.save(espnet_corelm_state(weights, layout), paths["checkpoint"])
+    with open(paths["config"], "w") as f:
+        yaml.safe_dump(espnet_experiment_config(layout, text_vocab, geo.max_position_embeddings), f)
+    backbone = text_backbone_config(layout, geo, fam.model_type, ESPNET_BACKBONE_ARCH[fam.model_type], len(text_vocab))
+    with open(paths["backbone_config"], "w") as f:
+        json.dump(backbone, f, indent=2, sort_keys=True)
+    tiny_text_tokenizer().save(paths["text_tokenizer"])
+    with open(os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    fam.write_codec(paths["codec"], seed)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="speechlm-make-tiny", description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", required=True, choices=sorted(FAMILIES))
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--espnet-export", action="store_true",
-                    help="bagpiper: write ESPnet's export format instead (the input of speechlm-convert)")
+                    help="write ESPnet's format instead (the input of speechlm-convert): bagpiper's export, "
+                    "opuslm's experiment directory")
     args = ap.parse_args(argv)
     if args.espnet_export:
-        if args.family != "bagpiper":
-            ap.error("--espnet-export: only --family bagpiper")
-        write_tiny_bagpiper_export(args.out, args.seed)
-        print(f"wrote a tiny ESPnet Bagpiper export to {args.out}")
+        if args.family == "bagpiper":
+            write_tiny_bagpiper_export(args.out, args.seed)
+        else:
+            write_tiny_opuslm_export(args.out, args.seed, args.family)
+        print(f"wrote a tiny ESPnet {args.family} export to {args.out}")
         return
     layout = make_tiny(args.family, args.out, args.seed)
     print(f"wrote tiny {args.family} checkpoint to {args.out} (vocab {layout.vocab_size}, {layout.num_streams} streams)")

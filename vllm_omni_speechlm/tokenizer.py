@@ -118,6 +118,27 @@ def backbone_text_vocab(tokenizer: Tokenizer, size: int) -> tuple[dict[str, int]
     return vocab, merges
 
 
+def chat_template(cfg: SpeechLMConfig) -> str:
+    """The tokenizer's chat template: `encode_prompt`'s format. ESPnet's dialogue format names its
+    task by the answer's modality, which a template cannot see: it renders the audio one."""
+    if cfg.dialogue_tasks is None:
+        return CHAT_TEMPLATE
+    names = special_token_strings(cfg)
+    sp = cfg.specials
+    gap = names[sp.pad] * (cfg.num_streams - 1)
+    role = {"system": names[sp.system], "user": names[sp.user]}
+    return (
+        "{{ '" + names[sp.eos] + names[cfg.dialogue_tasks[1]] + "' }}"
+        "{% for m in messages %}"
+        + "".join(
+            f"{{% {'if' if i == 0 else 'elif'} m['role'] == '{r}' %}}{{{{ '{t}{names[sp.text]}' + m['content'] + '{gap}' }}}}"
+            for i, (r, t) in enumerate(role.items())
+        )
+        + "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '" + names[sp.assistant] + "' }}{% endif %}"
+    )
+
+
 def write_hf_tokenizer(tok: Tokenizer, cfg: SpeechLMConfig, out_dir: str | os.PathLike) -> None:
     """tokenizer.json + tokenizer_config.json, loadable by transformers' AutoTokenizer and vLLM."""
     tok.save(os.path.join(out_dir, "tokenizer.json"))
@@ -129,7 +150,7 @@ def write_hf_tokenizer(tok: Tokenizer, cfg: SpeechLMConfig, out_dir: str | os.Pa
         "pad_token": sp["pad"],
         "add_bos_token": False,
         "model_max_length": 1 << 20,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(cfg),
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -139,8 +160,14 @@ class _Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn prompt (model facts' format), ending in <|assistant|>."""
+def encode_prompt(
+    tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None = None, text_only: bool = False
+) -> list[int]:
+    """Token ids of a one-turn prompt, ending in <|assistant|>: the chat format (model facts'),
+    or ESPnet's dialogue format where the layout has `dialogue_tasks` (`text_only`: the answer
+    is text only, which picks the task token)."""
+    if cfg.dialogue_tasks is not None:
+        return _dialogue_prompt(tokenizer, cfg, user, system, text_only)
     sp = cfg.specials
 
     def turn(role: int, text: str) -> list[int]:
@@ -153,6 +180,22 @@ def encode_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: s
     if system:
         ids += turn(sp.system, system)
     return ids + turn(sp.user, user) + [sp.assistant]
+
+
+def _dialogue_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None, text_only: bool) -> list[int]:
+    """ESPnet's dialogue sequence (the speechlm3 preprocessor's, which OpusLM was trained on):
+    <sos/eos>, the task token, then per message its role, <text_bpe_start/end>, the text and
+    S-1 pad rows (the delay pattern's gap between segments); then the answer's role."""
+    sp = cfg.specials
+    gap = [sp.pad] * (cfg.num_streams - 1)
+
+    def message(role: int, text: str) -> list[int]:
+        return [role, sp.text, *_encode(tokenizer, text), *gap]
+
+    ids = [sp.eos, cfg.dialogue_tasks[0 if text_only else 1]]
+    if system:
+        ids += message(sp.system, system)
+    return ids + message(sp.user, user) + [sp.assistant]
 
 
 def _encode(tokenizer: _Encoder, text: str) -> list[int]:

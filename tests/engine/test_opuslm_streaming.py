@@ -26,6 +26,8 @@ ATOL = 1e-3
 SYSTEM = "Be brief."
 PROMPTS = ["Hi.", "Say hello to the world.", "What time is it in the morning?"]
 KW = dict(modality="audio", seed=5, max_tokens=100)  # one engine SamplingParams per call: one seed
+# Per-request speech options: the first clip cannot end before max_tokens (it is cut there).
+PROMPT_KW = [dict(min_audio_frames=95), {}, {}]
 FAMILIES = {"opuslm": "tiny_opuslm", "opuslm-dialogue": "tiny_opuslm_dialogue"}
 
 
@@ -55,7 +57,7 @@ def _whole_clip(gen, ref) -> torch.Tensor:
 def test_streams_equal_whole_clip_decoding(family):
     gen, reference, _ = family
     before = shm_names()
-    requests = [gen.engine_request(gen.encode(p, SYSTEM), SpeechSamplingParams(**KW)) for p in PROMPTS]
+    requests = [gen.engine_request(gen.encode(p, SYSTEM), SpeechSamplingParams(**KW, **kw)) for p, kw in zip(PROMPTS, PROMPT_KW)]
     chunks: dict[int, list[torch.Tensor]] = defaultdict(list)
     outs = gen.omni.generate([r[0] for r in requests], [requests[0][1], _codec_params()], py_generator=True, use_tqdm=False)
     for out in outs:
@@ -64,7 +66,7 @@ def test_streams_equal_whole_clip_decoding(family):
             chunks[int(out.request_id.split("_", 1)[0])].append(audio.reshape(-1).float())
     drained = capped = 0
     for i, prompt in enumerate(PROMPTS):
-        ref = reference.generate(gen.encode(prompt, SYSTEM), SpeechSamplingParams(**KW))
+        ref = reference.generate(gen.encode(prompt, SYSTEM), SpeechSamplingParams(**KW, **PROMPT_KW[i]))
         streamed = torch.cat(chunks[i])
         whole = _whole_clip(gen, ref)
         assert streamed.shape == whole.shape == (gen.codec.config.num_samples(ref.codes.shape[0]),)
@@ -92,7 +94,8 @@ def test_processor_windows_of_a_drained_clip_equal_the_whole_clip(request, fixtu
 
     model_dir = request.getfixturevalue(fixture)
     ref_model = ReferenceSpeechLM(model_dir)
-    params = SpeechSamplingParams(**KW | {"max_tokens": 300})  # room for the clips to end by draining
+    # Room for the clips to end by draining, and long enough for several windows.
+    params = SpeechSamplingParams(**KW | {"max_tokens": 300, "min_audio_frames": 40})
     refs = [ref_model.generate(encode_prompt(ref_model.tokenizer, ref_model.cfg, p, system=SYSTEM), params) for p in PROMPTS]
     drained = [r for r in refs if bool((r.kinds == RowKind.FORCE_EOS).any())]
     assert drained, "no prompt's clip drains"

@@ -18,24 +18,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.make_tiny import TINY_MIN_AUDIO_FRAMES, TINY_TEXT_VOCAB
+from vllm_omni_speechlm.make_tiny import TINY_MIN_AUDIO_FRAMES, TINY_TEXT_VOCAB, espnet_token_list
 from vllm_omni_speechlm.tokenizer import train_text_bpe
-
-# espnet2/speechlm/definitions.py: general specials, then modality markers from 32, tasks from 64.
-GENERAL = ["<pad>", "<unk>", "<blank>", "<space>", "<continuous_placeholder>", "<sos/eos>", "<local_sos/eos>"]
-MODALITIES = ["codec", "ssl", "codec_ssl", "text_bpe", "g2p", "spk", "class"]
-
-
-def espnet_token_list(cfg: SpeechLMConfig, text_vocab: dict[str, int]) -> list[str]:
-    specials = [f"<unused_token_{i}>" for i in range(256)]
-    specials[: len(GENERAL)] = GENERAL
-    specials[32 : 32 + len(MODALITIES)] = [f"<{m}_start/end>" for m in MODALITIES]
-    ssl = [f"<ssl_code{i + 1}>" for i in range(cfg.streams[0].codebook_size)]
-    codec = [f"<codec_layer{q}_code{c}>" for q in range(8) for c in range(1024)]
-    text = [t for t, _ in sorted(text_vocab.items(), key=lambda kv: kv[1])]
-    tokens = specials + ssl + codec + text
-    return tokens + [f"<unused_token_{i}>" for i in range(len(tokens), cfg.vocab_size)]
-
 
 def write_espnet_experiment(model_dir: str, exp: str, backbone_type: str) -> dict[str, str]:
     """An ESPnet SpeechLM experiment (config.yaml + model.pth) holding the tiny model, plus the
@@ -112,6 +96,26 @@ def test_round_trip(tiny, tmp_path):
     assert sorted(original) == sorted(converted)
     for key in original:
         assert torch.equal(original[key], converted[key]), key
+
+
+def test_espnet_export_converts_to_the_tiny_checkpoint(tiny, tmp_path):
+    """`speechlm-make-tiny --espnet-export` writes the experiment the parity goldens come from;
+    converted, it is the tiny checkpoint byte for byte."""
+    from vllm_omni_speechlm.convert import convert
+    from vllm_omni_speechlm.make_tiny import write_tiny_opuslm_export
+
+    family, model_dir = tiny
+    files = write_tiny_opuslm_export(str(tmp_path / "exp"), 0, family)
+    out = str(tmp_path / "converted")
+    convert(family, files["checkpoint"], out, files["text_tokenizer"], files["codec"], files["config"],
+            files["backbone_config"], TINY_MIN_AUDIO_FRAMES)
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "codec/config.json",
+             "codec/model.safetensors")
+    for name in names:
+        with open(os.path.join(model_dir, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
+            assert a.read() == b.read(), name
+    state = torch.load(files["checkpoint"], weights_only=True)
+    assert all(k.startswith("corelm.") for k in state) and state["corelm.head_emb.weight"].shape[0] == 9
 
 
 def test_converted_checkpoint_generates_like_the_original(tiny_opuslm, tmp_path):

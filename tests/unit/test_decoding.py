@@ -52,7 +52,7 @@ def _walk(mode: OutputMode, tokens: list[int], p: SpeechSamplingParams):
     phase, step, seg = torch.tensor([int(P.START)]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     m, out = torch.tensor([int(mode)]), []
     for tok in tokens:
-        tok = RULES.emitted_token(phase, m, seg, torch.tensor([tok]))
+        tok = RULES.emitted_token(phase, step, m, seg, torch.tensor([tok]))
         phase, step, seg, ended = RULES.step(phase, step, m, seg, tok, rows)
         out.append((int(tok), int(phase), int(seg), bool(ended)))
     return out
@@ -103,7 +103,7 @@ def test_no_text_rows_path_equals_the_full_vocabulary_path(family):
 
     cfg = CFG if family == "bagpiper" else opuslm_layout("opuslm", text_vocab_size=300)
     rules = DecodingRules(cfg)
-    kinds = [k for k in RowKind if k not in (K.TEXT, K.TEXT_NO_EOS, K.TEXT_NO_END)]
+    kinds = [k for k in RowKind if k not in (K.TEXT, K.TEXT_NO_END)]
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(3 * len(kinds), cfg.vocab_size, generator=g).to(torch.bfloat16)
     kind = torch.tensor(kinds * 3)

@@ -89,6 +89,20 @@ def test_stack_loads_config_and_tokenizer(tiny_bagpiper):
     assert list(getattr(templated, "input_ids", templated)) == ids
 
 
+def test_opuslm_chat_template_is_the_dialogue_prompt(tiny_opuslm):
+    """OpusLM's template renders ESPnet's dialogue sequence (the audio task, as a template cannot
+    see the answer's modality)."""
+    from transformers import AutoTokenizer
+
+    cfg = SpeechLMConfig.from_model_dir(tiny_opuslm)
+    tok = AutoTokenizer.from_pretrained(tiny_opuslm)
+    ids = encode_prompt(tok, cfg, "hello there", system="Be brief.")
+    assert ids[:4] == [cfg.specials.eos, cfg.dialogue_tasks[1], cfg.specials.system, cfg.specials.text]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert list(getattr(templated, "input_ids", templated)) == ids
+
+
 def test_special_token_text_in_user_input_stays_text(tiny_bagpiper):
     """Typing "<|eos|>" must not end the user's turn (prompt injection of special tokens)."""
     from tokenizers import Tokenizer

@@ -69,29 +69,79 @@ def test_min_length_masks_eos_on_early_audio_rows():
     assert bool((RULES.mask_bias[K.AUDIO_NO_EOS, ssl.vocab_start : ssl.vocab_end] == 0).all())
 
 
-def test_warm_up_and_drain_keep_exactly_the_delay_pattern_frames():
-    """Walk a clip of T frames through the phase machine and the aux rule: the kept aux positions
-    are exactly those of the delay pattern (stream s carries frame t at audio step t + s)."""
-    T = 15
+def _walk_clip(T: int, drain_token: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A clip of T frames through the phase machine (stream 0 samples a code, eos at step T, then
+    `drain_token` on the first drain row): (emitted stream 0, kept and fed aux masks per row)."""
     phase, step = torch.tensor([int(P.AUDIO)]), torch.tensor([0])
-    kept, stream0 = [], []
+    mode, segment = torch.tensor([int(M.AUDIO)]), torch.zeros(1, dtype=torch.long)
+    stream0, kept, fed = [], [], []
     for a in range(T + S + 1):
-        mode, segment = torch.tensor([int(M.AUDIO)]), torch.zeros(1, dtype=torch.long)
         kind = RULES.row_kinds(phase, mode, segment, step, _rows(1))
-        kept.append(RULES.aux_sampled(kind, step)[0])
-        sampled = CFG.streams[0].vocab_start + 7 if a < T else SP.eos  # stream 0 samples eos at step T
+        kept.append(RULES.aux_kept(kind, step)[0])
+        fed.append(RULES.aux_sampled(kind, step)[0])
+        sampled = CFG.streams[0].vocab_start + 7 if a < T else SP.eos if a == T else drain_token
         allowed = RULES.mask_bias[kind[0]] == 0
         token = sampled if bool(allowed[sampled]) else int(allowed.nonzero()[0])  # forced rows
-        token = RULES.emitted_token(phase, mode, segment, torch.tensor([token]))
+        token = RULES.emitted_token(phase, step, mode, segment, torch.tensor([token]))
         stream0.append(int(token))
-        phase, step, _, ended = RULES.step(phase, step, mode, segment, token, _rows(1))
-        assert not bool(ended)  # delay rules: every row is fed back as sampled
-    assert stream0 == [CFG.streams[0].vocab_start + 7] * T + [DEC.deferred_eos] + [SP.pad] * (S - 1) + [SP.eos]
+        phase, step, segment, ended = RULES.step(phase, step, mode, segment, token, _rows(1))
+        assert not bool(ended) or a == T  # delay rules: every row is fed back as sampled
     assert int(phase) == P.DONE
+    return stream0, torch.stack(kept), torch.stack(fed)
+
+
+@pytest.mark.parametrize("drain_token", [CFG.streams[0].vocab_start + 3, SP.eos, SP.audio])
+def test_drain_is_espnets_and_emits_exactly_the_delay_pattern_frames(drain_token):
+    """ESPnet's drain (ar_delay.py): the row after eos is sampled whole (stream 0 with the audio
+    mask, eos included: emitted deferred), drain row d >= 2 samples streams >= d, row S ends the
+    request. Emitted aux cells are exactly the delay pattern's (stream s carries frame t at audio
+    step t + s); fed-back ones also hold the cells past the end (stream d of drain row d)."""
+    T = 15
+    stream0, kept, fed = _walk_clip(T, drain_token)
+    first = DEC.deferred_eos if drain_token == SP.eos else drain_token
+    assert stream0 == [CFG.streams[0].vocab_start + 7] * T + [DEC.deferred_eos, first] + [SP.pad] * (S - 2) + [SP.eos]
     expected = torch.zeros(T + S + 1, S - 1, dtype=torch.bool)
     for s in range(1, S):
         expected[s : s + T, s - 1] = True
-    assert torch.equal(torch.stack(kept), expected)
+    assert torch.equal(kept, expected)
+    past_end = torch.zeros_like(expected)
+    for s in range(1, S):
+        past_end[T + s, s - 1] = True  # frame T: drain row d = s
+    assert torch.equal(fed, expected | past_end)
+
+
+def test_text_part_before_audio_ends_with_eos_and_a_text_drain():
+    """text+audio: the text's eos is deferred, S drain rows follow (the first sampled as text,
+    the rest all pad), then <|assistant|> and <|audio|> are forced (ESPnet's next prefill)."""
+    mode, segment = torch.tensor([int(M.TEXT_AUDIO)]), torch.zeros(1, dtype=torch.long)
+    phase, step = torch.tensor([int(P.TEXT)]), torch.tensor([3])
+    kinds, emitted = [], []
+    for sampled in [SP.eos, CFG.text_range[0]] + [CFG.text_range[0]] * (S - 1) + [SP.assistant, SP.audio]:
+        kind = RULES.row_kinds(phase, mode, segment, step, _rows(1))
+        allowed = RULES.mask_bias[kind[0]] == 0
+        token = sampled if bool(allowed[sampled]) else int(allowed.nonzero()[0])
+        token = RULES.emitted_token(phase, step, mode, segment, torch.tensor([token]))
+        kinds.append(int(kind))
+        emitted.append(int(token))
+        assert not RULES.aux_sampled(kind, step).any()
+        phase, step, segment, _ = RULES.step(phase, step, mode, segment, token, _rows(1))
+    assert kinds == [K.TEXT, K.TEXT] + [K.FORCE_BLANK] * (S - 1) + [K.FORCE_ASSISTANT, K.FORCE_AUDIO]
+    assert emitted == [DEC.deferred_eos, CFG.text_range[0]] + [SP.pad] * (S - 1) + [SP.assistant, SP.audio]
+    assert int(phase) == P.AUDIO and int(segment) == 1
+
+
+def test_masks_are_espnets():
+    """inference_utils.build_mask: stream 0 may emit its segment's marker (and eos once allowed),
+    text rows never eot; streams 1..S-1 sample pad as one more column."""
+    bias = RULES.mask_bias
+    ok = lambda kind, tok: bool(bias[kind, tok] == 0)  # noqa: E731
+    assert ok(K.AUDIO_NO_EOS, SP.audio) and not ok(K.AUDIO_NO_EOS, SP.eos) and ok(K.AUDIO, SP.eos)
+    assert ok(K.TEXT_NO_END, SP.text) and ok(K.TEXT, SP.eos) and not ok(K.TEXT, SP.eot)
+    assert not ok(K.AUDIO, SP.text) and not ok(K.TEXT, SP.audio)
+    assert CFG.aux_sample_width == CFG.aux_stream_width + 1
+    slots = torch.tensor([[0, CFG.aux_stream_width] + [1] * (S - 3)])
+    start = torch.tensor([s.vocab_start for s in CFG.streams[1:]])
+    assert RULES.aux_token_ids(slots, start)[0, :2].tolist() == [CFG.streams[1].vocab_start, SP.pad]
 
 
 def test_audio_rows_of_a_drained_answer_deinterleave_to_t_frames():
@@ -100,7 +150,7 @@ def test_audio_rows_of_a_drained_answer_deinterleave_to_t_frames():
     codes[:, 0] = torch.randint(0, 5000, (T,))
     offsets = torch.tensor([s.code_offset for s in CFG.streams])
     rows = interleave(codes + offsets, pad=SP.pad)  # [T + S - 1, S]
-    rows[T, 0], rows[T + 1 :, 0] = DEC.deferred_eos, SP.pad
+    rows[T, 0], rows[T + 1, 0], rows[T + 2 :, 0] = DEC.deferred_eos, CFG.streams[0].vocab_start + 9, SP.pad  # as emitted
     text = torch.zeros(3, S, dtype=torch.long)
     text[:, 0] = torch.tensor([SP.audio, CFG.text_range[0], SP.text])
     tail = torch.zeros(2, S, dtype=torch.long)
@@ -120,7 +170,7 @@ def test_bagpiper_keeps_its_behaviour():
     kind = torch.tensor([K.AUDIO])
     assert bool(rules.aux_sampled(kind, torch.tensor([0])).all())
     mode, segment = torch.tensor([int(M.AUDIO)]), torch.zeros(1, dtype=torch.long)
-    eos = rules.emitted_token(torch.tensor([P.AUDIO]), mode, segment, torch.tensor([cfg.specials.eos]))
+    eos = rules.emitted_token(torch.tensor([P.AUDIO]), torch.tensor([5]), mode, segment, torch.tensor([cfg.specials.eos]))
     assert int(eos) == cfg.specials.eos
     rows = RowSampling.from_values([SpeechSamplingParams().resolve(cfg).row_values()], "cpu")
     assert rules.replay([cfg.specials.audio, cfg.codec_start + 1, cfg.specials.eos], M.AUDIO, rows)[0] == P.DONE

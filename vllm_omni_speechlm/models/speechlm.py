@@ -58,6 +58,9 @@ class SpeechLMForCausalLM(nn.Module):
         self.aux_plan = lm_head_aux_plan(self.lm_head, cfg.streams[1].vocab_start, cfg.aux_stream_width, cfg.num_streams - 1)
         self.stream_embeddings = nn.Embedding(cfg.num_streams, hf.hidden_size)
         self.register_buffer("aux_start", torch.tensor([s.vocab_start for s in cfg.streams[1:]]), persistent=False)
+        # The LM head's pad row, replicated on every rank (under TP only one holds it): the aux
+        # streams' pad column under the delay rules (SpeechLMConfig.aux_sample_width).
+        self.register_buffer("aux_pad_weight", torch.zeros(hf.hidden_size), persistent=False)
         # Summed aux-stream embeddings of each scheduled token, at a fixed address (CUDA graphs).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.register_buffer("aux_input", torch.zeros(tokens, hf.hidden_size), persistent=False)
@@ -97,14 +100,20 @@ class SpeechLMForCausalLM(nn.Module):
 
     def aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only; under
-        TP each rank projects the part its head shard holds, then one all-gather (tp_heads.py)."""
+        TP each rank projects the part its head shard holds, then one all-gather (tp_heads.py).
+        Under the delay rules W has one more column, pad's (computed on every rank alike)."""
         cfg = self.speech
         aux_embeddings = self.stream_embeddings.weight[1:]
         if self.aux_plan is not None:
-            return aux_logits_sharded(hidden, aux_embeddings, self.lm_head.weight, self.aux_plan, tp_all_gather)
-        lo, hi, width = cfg.streams[1].vocab_start, cfg.streams[-1].vocab_end, cfg.aux_stream_width
-        weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H], a view
-        return aux_logits_unsharded(hidden, aux_embeddings, weight)
+            logits = aux_logits_sharded(hidden, aux_embeddings, self.lm_head.weight, self.aux_plan, tp_all_gather)
+        else:
+            lo, hi, width = cfg.streams[1].vocab_start, cfg.streams[-1].vocab_end, cfg.aux_stream_width
+            weight = self.lm_head.weight[lo:hi].view(cfg.num_streams - 1, width, -1)  # [S-1, W, H], a view
+            logits = aux_logits_unsharded(hidden, aux_embeddings, weight)
+        if cfg.aux_sample_width == cfg.aux_stream_width:
+            return logits
+        pad = (hidden[:, None, :] + aux_embeddings[None]) @ self.aux_pad_weight.to(hidden.dtype)  # [N, S-1]
+        return torch.cat([logits, pad[..., None].to(logits.dtype)], dim=-1)
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] raw stream-0 logits."""
@@ -112,8 +121,16 @@ class SpeechLMForCausalLM(nn.Module):
             hidden = hidden + self.stream_embeddings.weight[0]
         return self.logits_processor(self.lm_head, hidden)
 
+    def _keep_pad_row(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights, passing through; the LM head's pad row is copied into `aux_pad_weight` on
+        the way (each rank sees the whole tensor here, before its shard is taken)."""
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                self.aux_pad_weight.copy_(tensor[self.speech.specials.pad])
+            yield name, tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = AutoWeightsLoader(self).load_weights(self._keep_pad_row(weights), mapper=self.hf_to_vllm_mapper)
         deferred = self.speech.decoding.deferred_eos
         if deferred is not None:  # the deferred eos is fed back as the eos it stands for (DecodingSpec)
             emb = self.model.embed_tokens.weight

@@ -137,7 +137,7 @@ class StepGraphs:
 
         def logits() -> torch.Tensor:
             out = steps.logits_step(hidden, index, max_top_k, no_text_rows, None, frames, slice(None))
-            steps.stage_next_aux(frames[:, 1:])
+            steps.stage_next_aux(index)
             return out
 
         def advance() -> torch.Tensor:

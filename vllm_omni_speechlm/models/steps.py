@@ -296,19 +296,20 @@ class SpeechLMSteps:
         [N, S] `frames` and, for the sampling `rows`, into the aux history."""
         raw = self.model.raw_logits(hidden)
         noise = self._global_aux_noise(hidden.shape[0], hidden.device)
-        raw, kinds, aux = self._decode_rows(hidden, raw, index, max_top_k, noise, guided)
-        frames[:, 1:] = aux
+        raw, kinds, aux, kept = self._decode_rows(hidden, raw, index, max_top_k, noise, guided)
+        frames[:, 1:] = kept  # emitted: the clip's cells; fed back (the history): every sampled one
         self.table.aux_history[index[0][rows], index[1][rows]] = aux[rows]
         return self._primary_logits(raw, kinds, index, max_top_k, no_text_rows)
 
-    def stage_next_aux(self, aux: torch.Tensor) -> None:
-        """[N, S-1] this step's aux streams -> the next step's aux input, should it decode the same
-        rows (a step graph's tail; `prepare` restages any other step)."""
-        self.model.aux_input[: aux.shape[0]] = self.model.aux_embeds(aux)
+    def stage_next_aux(self, index: torch.Tensor) -> None:
+        """[2, N] slots and output indices -> this step's aux streams as fed back (the history
+        `logits_step` wrote) staged as the next step's aux input, should it decode the same rows
+        (a step graph's tail; `prepare` restages any other step)."""
+        self.model.aux_input[: index.shape[1]] = self.model.aux_embeds(self.table.aux_history[index[0], index[1]])
 
     def _global_aux_noise(self, n: int, device: torch.device) -> torch.Tensor:
         """[N, S-1, W] Exp(1) noise from the global RNG (`_decode_rows` gives seeded rows their own)."""
-        return torch.empty(n, self.speech.num_streams - 1, self.speech.aux_stream_width, device=device).exponential_()
+        return torch.empty(n, self.speech.num_streams - 1, self.speech.aux_sample_width, device=device).exponential_()
 
     def _decode_rows_eager(
         self,
@@ -322,7 +323,8 @@ class SpeechLMSteps:
         """The step's math after the LM head, without side effects: [N, H] hidden states, [N, V]
         raw stream-0 logits, [2, N] slots and output indices, the rows' largest top-k,
         [N, S-1, W] noise from the global RNG (seeded rows get their own) -> stream-0 logits
-        (CFG-merged), [N] row kinds, [N, S-1] aux stream ids (int32; pad where not sampled)."""
+        (CFG-merged), [N] row kinds, [N, S-1] aux stream ids fed back and [N, S-1] emitted (int32;
+        pad where not sampled, and where past a drained clip's end: `DecodingRules.aux_kept`)."""
         table, rules = self.table, self.rules
         slots, generated = index
         rows = table.row_sampling(slots, max_top_k)
@@ -331,12 +333,15 @@ class SpeechLMSteps:
         aux_logits = self.model.aux_logits(hidden)
         if guided is not None:
             raw, aux_logits = _merge_guided(raw, aux_logits, kinds, guided)
-        aux = rules.sample_aux_streams(aux_logits, rows, table.aux_noise(slots, generated, noise)) + self.model.aux_start
-        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, self.speech.specials.pad)
+        slots_sampled = rules.sample_aux_streams(aux_logits, rows, table.aux_noise(slots, generated, noise))
+        aux = rules.aux_token_ids(slots_sampled, self.model.aux_start)
+        pad = self.speech.specials.pad
+        kept = torch.where(rules.aux_kept(kinds, phase_step), aux, pad)
+        aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, pad)
         if guided is not None:  # the companion is fed the main's tokens
             main, companion, _ = guided
-            aux[companion] = aux[main]
-        return raw, kinds, aux.to(torch.int32)
+            aux[companion], kept[companion] = aux[main], kept[main]
+        return raw, kinds, aux.to(torch.int32), kept.to(torch.int32)
 
     def _primary_logits_eager(
         self, raw: torch.Tensor, kinds: torch.Tensor, index: torch.Tensor, max_top_k: int, no_text_rows: bool
@@ -408,9 +413,10 @@ class SpeechLMSteps:
         table, rules = self.table, self.rules
         slots = index[0][idx]
         token, phase, mode, segment = sampled[:, 0].clone(), table.phase[slots], table.mode[slots], table.segment[slots]
-        token[idx] = rules.emitted_token(phase, mode, segment, token[idx].long()).to(token.dtype)
+        phase_step = table.phase_step[slots]
+        token[idx] = rules.emitted_token(phase, phase_step, mode, segment, token[idx].long()).to(token.dtype)
         rows = table.row_sampling(slots, 1)
-        return token, *rules.step(phase, table.phase_step[slots], mode, segment, token[idx].long(), rows)
+        return token, *rules.step(phase, phase_step, mode, segment, token[idx].long(), rows)
 
     # ---- compiling the step functions in vLLM's warm-up --------------------------------------
     def warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
@@ -439,7 +445,7 @@ class SpeechLMSteps:
                 index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = self._global_aux_noise(n, device)
                 guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
-                merged, kinds, _ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
+                merged, kinds, *_ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
                 for no_text_rows in (False, True):
                     self._primary_logits(merged, kinds, index, 2, no_text_rows)
                 sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)

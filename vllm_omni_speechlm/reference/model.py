@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
-from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
+from vllm_omni_speechlm.decoding import DecodingRules, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
 from vllm_omni_speechlm.delay_pattern import audio_codes
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -82,6 +82,9 @@ class ReferenceSpeechLM:
         aux = cfg.streams[1:]
         # [S-1, W, H]: each aux stream projects onto its own slice of the vocabulary only.
         self.aux_head = torch.stack([self.lm_head[s.vocab_start : s.vocab_end] for s in aux]) if aux else None
+        if aux and cfg.aux_sample_width > cfg.aux_stream_width:  # the pad column (delay rules)
+            pad_row = self.lm_head[cfg.specials.pad].expand(len(aux), 1, -1)
+            self.aux_head = torch.cat([self.aux_head, pad_row], dim=1)
         self.aux_start = torch.tensor([s.vocab_start for s in aux], device=device)
         self.rules = DecodingRules(cfg, device)
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
@@ -132,7 +135,6 @@ class ReferenceSpeechLM:
 
         steps, kinds, finish = [], [], "length"
         segment = torch.zeros(1, dtype=torch.long, device=self.device)
-        text_stops_at_eot = p.modality == OutputMode.TEXT and not rules.parallel
         w = cfg.num_streams - 1
         for step in range(p.max_tokens):
             logits0, logits_aux = self.heads(hidden)
@@ -143,18 +145,20 @@ class ReferenceSpeechLM:
                 logits0 = torch.where(audio[:, None], self.cfg_merge(logits0, p.cfg_scale), logits0[:1])
                 logits_aux = torch.where(audio[:, None, None], self.cfg_merge(logits_aux, p.cfg_scale), logits_aux[:1])
             tok0 = engine_sample(rules.process_primary_logits(logits0[:1], kind, rows), p.engine_temperature, g0)
-            tok0 = rules.emitted_token(phase, mode, segment, tok0)  # an eos the answer outlives is deferred
-            noise = self.aux_noise(p.seed, generated, (w, cfg.aux_stream_width))
-            aux = rules.sample_aux_streams(logits_aux[:1], rows, noise) + self.aux_start
-            aux = torch.where(rules.aux_sampled(kind, phase_step), aux, cfg.specials.pad)
-            token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S]
-            steps.append(token[0])
+            tok0 = rules.emitted_token(phase, phase_step, mode, segment, tok0)  # an eos the answer outlives is deferred
+            noise = self.aux_noise(p.seed, generated, (w, cfg.aux_sample_width))
+            aux = rules.aux_token_ids(rules.sample_aux_streams(logits_aux[:1], rows, noise), self.aux_start)
+            pad = cfg.specials.pad
+            kept = torch.where(rules.aux_kept(kind, phase_step), aux, pad)
+            aux = torch.where(rules.aux_sampled(kind, phase_step), aux, pad)
+            steps.append(torch.cat([tok0, kept[0]]))  # emitted: the clip's cells only
             kinds.append(kind[0])
             phase, phase_step, segment, ended = rules.step(phase, phase_step, mode, segment, tok0, rows)
-            if int(phase) == Phase.DONE or (text_stops_at_eot and int(tok0) == cfg.specials.eot):
+            if int(phase) == Phase.DONE:
                 finish = "stop"
                 break
-            fed = torch.where(ended[:, None] & (torch.arange(cfg.num_streams, device=self.device) > 0), cfg.specials.pad, token)
+            token = torch.cat([tok0[:, None], aux], dim=1)  # [1, S] fed back: every sampled cell
+            fed = torch.where(ended[:, None] & (torch.arange(cfg.num_streams, device=self.device) > 0), pad, token)
             position = len(prompt_ids) + step
             if bool(ended):  # the segment's last row is fed to the conditional branch only
                 cache = [[k[:1], v[:1]] for k, v in cache]

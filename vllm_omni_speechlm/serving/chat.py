@@ -28,6 +28,7 @@ import torch
 
 from vllm_omni_speechlm.audio import to_wav
 from vllm_omni_speechlm.compat import dispatch_route
+from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.pipeline import CODEC_STAGE
 from vllm_omni_speechlm.serving import options
@@ -131,7 +132,7 @@ def build_request(request: Any, model: ServedModel) -> tuple[dict, Any, str]:
     if request.seed is not None and request.seed < 0:
         raise BadRequest(f"seed: must be a non-negative integer, got {request.seed}")
     params = options.sampling_params(modality, _model_options(request), seed=request.seed)
-    ids = encode_prompt(model.tokenizer, model.cfg, user, system=system)
+    ids = encode_prompt(model.tokenizer, model.cfg, user, system=system, text_only=params.modality == OutputMode.TEXT)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     limit = options.max_tokens(requested, model.token_budget(len(ids)), field)
