@@ -20,7 +20,8 @@ An export DIR holds what ESPnet's build and `bin/inference.py` need:
   qwen3/ or backbone/  the backbone's Hugging Face config.json (vocab_size = text vocabulary
                 size) and the text tokenizer (text ids from 0, as Qwen's)
   xcodec/       transformers' XcodecConfig config.json
-  qwen3_omni/   optional: Qwen3OmniMoeConfig config.json + processor (default: write_tiny_omni)
+  qwen3_omni/   optional: Qwen3OmniMoeConfig config.json + processor (default: write_tiny_omni,
+                its audio tower from audio_tower/config.json when the export has one)
 Weight files there are optional: ESPnet's build loads pretrained weights that model.pth then
 overwrites (strict), so missing ones are drawn at random from the configs.
 
@@ -166,7 +167,7 @@ def build_job(export: str, tmp: str):
 
     omni = os.path.join(export, "qwen3_omni")
     if not os.path.isdir(omni):  # optional in an export: the tiny tower below is the default
-        write_tiny_omni(omni := os.path.join(tmp, "qwen3_omni"))
+        write_tiny_omni(omni := os.path.join(tmp, "qwen3_omni"), export_audio_tower(export))
     materialise(omni, "omni", tmp)  # OMNI_TAG resolves here
     # qwen3/: --make-export's name; backbone/: speechlm-make-tiny --espnet-export's.
     backbone = next(os.path.join(export, d) for d in ("qwen3", "backbone") if os.path.isdir(os.path.join(export, d)))
@@ -217,14 +218,24 @@ def write_tiny_hf_dirs(export: str) -> None:
     write_tiny_omni(os.path.join(export, "qwen3_omni"))
 
 
-def write_tiny_omni(path: str) -> None:
-    """Qwen3-Omni config (talker off) + a processor ESPnet takes the feature extractor from.
-    Only the audio tower survives ESPnet's build; the rest only has to be constructible."""
+def export_audio_tower(export: str) -> dict | None:
+    """The audio tower config speechlm-make-tiny --espnet-export writes (audio_tower/config.json)."""
+    path = os.path.join(export, "audio_tower", "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return {k: v for k, v in json.load(f).items() if k != "model_type"}
+
+
+def write_tiny_omni(path: str, audio: dict | None = None) -> None:
+    """Qwen3-Omni config (talker off) + a processor ESPnet takes the feature extractor from (the
+    released Qwen3-Omni's settings: 128 bins, 300 s). Only the audio tower survives ESPnet's
+    build; the rest only has to be constructible."""
     import transformers
     from tokenizers import Tokenizer, models
 
-    audio = {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
-             "d_model": 16, "output_dim": 24, "downsample_hidden_size": 8}
+    audio = audio or {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
+                      "d_model": 16, "output_dim": 24, "downsample_hidden_size": 8}
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
               "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
     text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
@@ -244,7 +255,7 @@ def write_tiny_omni(path: str) -> None:
     transformers.Qwen3OmniMoeProcessor(
         image_processor=transformers.Qwen2VLImageProcessor(),
         video_processor=transformers.Qwen2VLVideoProcessor(),
-        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128),
+        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128, chunk_length=300),
         tokenizer=tok,
     ).save_pretrained(path)
 

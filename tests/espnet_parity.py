@@ -47,7 +47,7 @@ def build_checkpoint(out: Path, goldens: dict) -> str:
     assert sha256(files["checkpoint"]) == goldens["export_sha256"], REGENERATE
     served = str(out / "served")
     convert_bagpiper(files["checkpoint"], served, files["text_tokenizer"], files["backbone_config"],
-                     files["codec_config"], files["inference_config"])
+                     files["codec_config"], files["inference_config"], files["audio_tower_config"])
     return served
 
 

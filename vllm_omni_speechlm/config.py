@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPEECHLM_KEY = "speechlm"
-# Audio-input weights a served checkpoint may carry next to the LM (Bagpiper: the Qwen3-Omni
-# audio encoder, named as vLLM's Qwen3-Omni thinker names it, and the linear adaptor from its
-# output to the LM's hidden size). Audio input is not served yet: the engine and the reference
-# skip these prefixes on purpose.
+# Audio-input weights a served checkpoint carries next to the LM (Bagpiper: the Qwen3-Omni audio
+# encoder, named as transformers' and vLLM's Qwen3-Omni thinker name it, and the linear adaptor
+# from its output to the LM's hidden size). Their geometry is the `audio_input` section.
 AUDIO_TOWER_PREFIX = "audio_tower."
 AUDIO_ADAPTOR_PREFIX = "audio_adaptor."
 AUDIO_INPUT_PREFIXES = (AUDIO_TOWER_PREFIX, AUDIO_ADAPTOR_PREFIX)
+# ESPnet's `<|unused_254|>`: stands for an audio clip in a prompt; vLLM's processor expands it to
+# one row per encoder output frame, which the features overwrite.
+BAGPIPER_AUDIO_PLACEHOLDER = 254
 
 
 def _fail(name: str, message: str) -> ValueError:
@@ -124,6 +126,96 @@ class CodecSpec:
 
 
 @dataclass(frozen=True)
+class AudioTowerSpec:
+    """A Qwen3-Omni audio encoder's geometry (transformers' Qwen3OmniMoeAudioEncoderConfig fields;
+    defaults: Qwen3-Omni-30B-A3B's, whose output width 2048 Bagpiper's adaptor takes)."""
+
+    d_model: int = 1280
+    encoder_layers: int = 32
+    encoder_attention_heads: int = 20
+    encoder_ffn_dim: int = 5120
+    downsample_hidden_size: int = 480
+    output_dim: int = 2048
+    num_mel_bins: int = 128
+    n_window: int = 50  # mel frames are cut in chunks of 2 * n_window before the convolutions
+    n_window_infer: int = 800  # attention windows span n_window_infer mel frames
+    conv_chunksize: int = 500
+    max_source_positions: int = 1500
+    activation_function: str = "gelu"
+
+    @property
+    def chunk_frames(self) -> int:
+        return 2 * self.n_window
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise _fail(f"audio_input.tower.{f.name}", f"must be a positive integer, got {v!r}")
+        if self.d_model % self.encoder_attention_heads:
+            raise _fail("audio_input.tower.encoder_attention_heads", f"{self.encoder_attention_heads} does not divide d_model {self.d_model}")
+        if self.n_window_infer % self.chunk_frames:
+            raise _fail("audio_input.tower.n_window_infer", f"must be a multiple of 2 * n_window = {self.chunk_frames}")
+
+
+def conv_output_length(frames: int) -> int:
+    """Length after the tower's three stride-2 convolutions (kernel 3, padding 1)."""
+    for _ in range(3):
+        frames = (frames - 1) // 2 + 1
+    return frames
+
+
+@dataclass(frozen=True)
+class AudioInputSpec:
+    """Audio input (understanding): the Qwen3-Omni feature extractor's settings (a Whisper log-mel
+    of 16 kHz audio; `max_samples` is its n_samples, the longest input), the tower's geometry and
+    the prompt placeholder id (see `BAGPIPER_AUDIO_PLACEHOLDER`)."""
+
+    placeholder_id: int = BAGPIPER_AUDIO_PLACEHOLDER
+    sample_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    max_samples: int = 4_800_000
+    tower: AudioTowerSpec = field(default_factory=AudioTowerSpec)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AudioInputSpec:
+        d = dict(d)
+        if "tower" in d:
+            d["tower"] = AudioTowerSpec(**d["tower"])
+        return cls(**d)
+
+    @property
+    def min_samples(self) -> int:
+        """The shortest input: the log-mel's reflect padding needs more than n_fft / 2 samples."""
+        return self.n_fft // 2 + 1
+
+    def num_frames(self, num_samples: int) -> int:
+        """Log-mel frames of `num_samples` samples (ESPnet keeps samples // hop_length)."""
+        return num_samples // self.hop_length
+
+    def output_length(self, num_frames: int) -> int:
+        """Encoder output rows (prompt rows) of `num_frames` mel frames: each whole chunk gives the
+        convolutions' output of a chunk, the rest its own (transformers' and ESPnet's formula
+        `_get_feat_extract_output_lengths` for n_window 50)."""
+        chunk = self.tower.chunk_frames
+        rest = num_frames % chunk
+        return (num_frames // chunk) * conv_output_length(chunk) + (conv_output_length(rest) if rest else 0)
+
+    def validate(self, cfg: "SpeechLMConfig") -> None:
+        lo, hi = cfg.special_range
+        p = self.placeholder_id
+        named = {tok for _, tok in cfg.specials.items()} | {cfg.decoding.deferred_eos}
+        if isinstance(p, bool) or not isinstance(p, int) or not lo <= p < hi or p in named:
+            raise _fail("audio_input.placeholder_id", f"needs an unnamed special id in [{lo}, {hi}), got {p!r}")
+        for key in ("sample_rate", "n_fft", "hop_length", "max_samples"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise _fail(f"audio_input.{key}", f"must be a positive integer, got {v!r}")
+        self.tower.validate()
+
+
+@dataclass(frozen=True)
 class DecodingSpec:
     """Family decoding rules as data (defaults: Bagpiper, ESPnet's ParallelLLM.inference).
 
@@ -199,6 +291,7 @@ class SpeechLMConfig:
     dialogue_tasks: tuple[int, int] | None = None
     codec: CodecSpec = field(default_factory=CodecSpec)
     decoding: DecodingSpec = field(default_factory=DecodingSpec)
+    audio_input: AudioInputSpec | None = None  # None: the model takes no audio input
 
     # ---- derived layout -------------------------------------------------------------------
     @property
@@ -239,6 +332,8 @@ class SpeechLMConfig:
         self.audio_sampling.validate("audio_sampling")
         self._validate_codec()
         self.decoding.validate(self)
+        if self.audio_input is not None:
+            self.audio_input.validate(self)
 
     def _validate_ranges(self) -> None:
         if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
@@ -304,6 +399,8 @@ class SpeechLMConfig:
             for key, kind in nested.items():
                 if key in kw:
                     kw[key] = kind(**kw[key])
+            if kw.get("audio_input") is not None:
+                kw["audio_input"] = AudioInputSpec.from_dict(kw["audio_input"])
             return cls(**kw)
         except TypeError as e:  # a missing or unknown nested field
             raise ValueError(f"speechlm config: {e}") from None
@@ -354,6 +451,7 @@ def bagpiper_layout(text_vocab_size: int = 151936) -> SpeechLMConfig:
         audio_sampling=ModalitySampling(0.8, 20, min_steps=50, max_steps=2048, cfg_scale=3.0),
         prompt_text_zero_is_pad=True,
         decoding=DecodingSpec(deferred_eos=BAGPIPER_DEFERRED_EOS),
+        audio_input=AudioInputSpec(),
     )
 
 

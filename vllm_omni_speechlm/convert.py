@@ -15,7 +15,8 @@ Bagpiper. ESPnet's export_checkpoint.py writes `{"module": state_dict}` and noth
 config, tokenizer or token list. Its names and what each becomes are in espnet_bagpiper.py: the
 Qwen3 LM keeps its names, `stream_emb` becomes `stream_embeddings` (row 0 zero, as ESPnet uses
 it), `vocab_weight` (a loss weight) is dropped, the Qwen3-Omni audio tower and its adaptor travel
-as `audio_tower.*` / `audio_adaptor.*` (not served yet: the engine skips them by name), and the
+as `audio_tower.*` / `audio_adaptor.*` (the `audio_input` section holds their geometry: the
+tower's from `--audio-tower-config`, default the released Qwen3-Omni-30B-A3B's), and the
 export's whole X-Codec model gives codec/ its decoder tensors. The layout is `bagpiper_layout`
 over the backbone's text vocabulary (`vocab_size` of its config.json, 151936 for Qwen3-8B-Base,
 checked against the embedding rows); the geometry comes from that config.json (default: the
@@ -48,6 +49,7 @@ stream 0 never samples.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -59,7 +61,14 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig, write_xcodec_dir
-from vllm_omni_speechlm.config import SPEECHLM_KEY, SpeechLMConfig, bagpiper_layout, opuslm_layout
+from vllm_omni_speechlm.config import (
+    SPEECHLM_KEY,
+    AudioInputSpec,
+    AudioTowerSpec,
+    SpeechLMConfig,
+    bagpiper_layout,
+    opuslm_layout,
+)
 from vllm_omni_speechlm.make_tiny import with_espnet_inference_config
 from vllm_omni_speechlm.espnet_bagpiper import split_export
 from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, FAMILIES, BackboneGeometry, backbone_config, write_served_lm
@@ -295,6 +304,21 @@ def qwen3_geometry(backbone: dict[str, Any] | None) -> tuple[BackboneGeometry, i
         raise _fail(f"--backbone-config: no {e.args[0]!r}") from None
 
 
+def audio_tower_spec(raw: dict[str, Any] | None) -> AudioTowerSpec:
+    """The audio tower's geometry from a transformers Qwen3OmniMoeAudioEncoderConfig json or a whole
+    Qwen3-Omni config.json (its thinker_config.audio_config); default: the released one."""
+    if raw is None:
+        return AudioTowerSpec()
+    raw = (raw.get("thinker_config") or {}).get("audio_config", raw)
+    known = {f.name for f in dataclasses.fields(AudioTowerSpec)}
+    spec = AudioTowerSpec(**{k: v for k, v in raw.items() if k in known})
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise _fail(f"--audio-tower-config: {e}") from None
+    return spec
+
+
 def load_bagpiper_export(path: str) -> dict[str, torch.Tensor]:
     """`{"module": state_dict}` as export_checkpoint.py saves it (a bare state dict is accepted)."""
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -312,9 +336,11 @@ def convert_bagpiper(
     backbone_config_path: str | None = None,
     codec_config_path: str | None = None,
     inference_config_path: str | None = None,
+    audio_tower_config_path: str | None = None,
 ) -> SpeechLMConfig:
     """ESPnet's Bagpiper export -> a served directory (the layout: `bagpiper_layout`; decoding
-    defaults from ESPnet's inference config, default: the released SFT one)."""
+    defaults from ESPnet's inference config, default: the released SFT one; the audio tower's
+    geometry from its transformers config, default: the released Qwen3-Omni one)."""
     backbone = read_json(backbone_config_path, "--backbone-config") if backbone_config_path else None
     geo, text_vocab = qwen3_geometry(backbone)
     codec_raw = XCodecDecoderConfig().to_xcodec_dict()  # the released geometry
@@ -324,6 +350,8 @@ def convert_bagpiper(
     layout = bagpiper_layout(text_vocab)
     if inference_config_path:
         layout = with_espnet_inference_config(layout, read_yaml(inference_config_path, "--inference-config"))
+    tower_raw = read_json(audio_tower_config_path, "--audio-tower-config") if audio_tower_config_path else None
+    layout = dataclasses.replace(layout, audio_input=AudioInputSpec(tower=audio_tower_spec(tower_raw)))
     weights, codec = split_export(load_bagpiper_export(checkpoint), layout, geo, codec_config)
     base = Tokenizer.from_file(text_tokenizer)
     try:
@@ -357,13 +385,15 @@ def main(argv: list[str] | None = None) -> None:
                      "default: the released geometry)")
     bag.add_argument("--inference-config", help="ESPnet's inference YAML (its text: / audio: sections become the "
                      "checkpoint's decoding defaults; default: the released conf/inference_sft.yaml)")
+    bag.add_argument("--audio-tower-config", help="the audio tower's transformers config (a Qwen3-Omni config.json or "
+                     "its audio_config; default: the released Qwen3-Omni-30B-A3B geometry)")
     a = ap.parse_args(argv)
     try:
         if a.family == "bagpiper":
             if a.codec or a.config:
                 ap.error("--codec / --config: opuslm only (Bagpiper's codec is inside its export)")
             layout = convert_bagpiper(a.espnet_checkpoint, a.out, a.text_tokenizer, a.backbone_config, a.codec_config,
-                                      a.inference_config)
+                                      a.inference_config, a.audio_tower_config)
         else:
             if not a.codec:
                 ap.error(f"--codec is required for --family {a.family}")

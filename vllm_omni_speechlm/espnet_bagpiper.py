@@ -11,7 +11,8 @@ the adaptors of the continuous ones. Its names, and what each becomes:
     stream_emb.weight [S, H]                                 stream_embeddings.weight, row 0 zero
     vocab_weight [V]                                         dropped (a training loss weight)
     adaptor.continuous_audio.{weight,bias}                   audio_adaptor.{weight,bias}
-    multimodal_io_dict.continuous_audio.model.audio_tower.*  audio_tower.* (Qwen3-Omni's encoder)
+    multimodal_io_dict.continuous_audio.model.audio_tower.*  audio_tower.* (Qwen3-Omni's encoder;
+                                                               shapes checked against its config)
     multimodal_io_dict.discrete_audio.codec_model.*          codec/model.safetensors: XcodecModel's
                                                                decoder tensors, same names
 
@@ -32,7 +33,7 @@ from typing import Protocol
 import torch
 
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoder, XCodecDecoderConfig, fold_weight_norm, decoder_source_key
-from vllm_omni_speechlm.config import AUDIO_ADAPTOR_PREFIX, AUDIO_TOWER_PREFIX, SpeechLMConfig
+from vllm_omni_speechlm.config import AUDIO_ADAPTOR_PREFIX, AUDIO_TOWER_PREFIX, AudioTowerSpec, SpeechLMConfig
 
 STREAM_EMB = "stream_emb.weight"
 VOCAB_WEIGHT = "vocab_weight"
@@ -86,6 +87,26 @@ def qwen3_shapes(layout: SpeechLMConfig, geo: Geometry) -> dict[str, tuple[int, 
     return shapes
 
 
+def audio_tower_shapes(t: AudioTowerSpec) -> dict[str, tuple[int, ...]]:
+    """Served audio tower tensor name -> shape (transformers' Qwen3OmniMoeAudioEncoder names)."""
+    d, c, f = t.d_model, t.downsample_hidden_size, t.encoder_ffn_dim
+    freq = t.num_mel_bins
+    for _ in range(3):
+        freq = (freq + 1) // 2  # the mel axis after three stride-2 convolutions
+    shapes = {"conv2d1.weight": (c, 1, 3, 3), "conv2d1.bias": (c,), "conv_out.weight": (d, c * freq)}
+    for n in (2, 3):
+        shapes |= {f"conv2d{n}.weight": (c, c, 3, 3), f"conv2d{n}.bias": (c,)}
+    shapes |= {"ln_post.weight": (d,), "ln_post.bias": (d,), "proj1.weight": (d, d), "proj1.bias": (d,)}
+    shapes |= {"proj2.weight": (t.output_dim, d), "proj2.bias": (t.output_dim,)}
+    layer = {f"self_attn.{p}_proj.{w}": (d, d) if w == "weight" else (d,) for p in "qkv" for w in ("weight", "bias")}
+    layer |= {"self_attn.out_proj.weight": (d, d), "self_attn.out_proj.bias": (d,), "fc1.weight": (f, d), "fc1.bias": (f,)}
+    layer |= {"fc2.weight": (d, f), "fc2.bias": (d,)}
+    layer |= {f"{n}.{w}": (d,) for n in ("self_attn_layer_norm", "final_layer_norm") for w in ("weight", "bias")}
+    for i in range(t.encoder_layers):
+        shapes |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+    return {AUDIO_TOWER_PREFIX + k: v for k, v in shapes.items()}
+
+
 def _served_name(key: str) -> str | None:
     """The served name of an LM or audio-input export key; None for codec and dropped keys."""
     if key == STREAM_EMB:
@@ -102,18 +123,18 @@ def _served_name(key: str) -> str | None:
 def lm_weights(state: dict[str, torch.Tensor], layout: SpeechLMConfig, geo: Geometry) -> dict[str, torch.Tensor]:
     """The served model.safetensors tensors: the LM, its stream embeddings, the audio input."""
     expected = qwen3_shapes(layout, geo)
+    tower = audio_tower_shapes(layout.audio_input.tower) if layout.audio_input is not None else {}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         name = _served_name(key)
         if name is None:
             continue
         if name.startswith(("model.", "lm_head.", "stream_embeddings.")):
-            if name not in expected:
-                raise _fail(f"unexpected key {key!r} (not a Qwen3 tensor of {geo.num_hidden_layers} layers)")
-            if tuple(tensor.shape) != expected[name]:
-                raise _fail(f"{key} has shape {tuple(tensor.shape)}, the geometry gives {expected[name]}")
+            _check_shape(key, tensor, expected.get(name), f"not a Qwen3 tensor of {geo.num_hidden_layers} layers", "the geometry")
+        elif name.startswith(AUDIO_TOWER_PREFIX):
+            _check_shape(key, tensor, tower.get(name), "not a tensor of the audio tower config", "the audio tower config")
         out[name] = tensor
-    missing = [n for n in expected if n not in out]
+    missing = [n for n in [*expected, *tower] if n not in out]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise _fail(f"missing {_export_name(missing[0])!r}{more}")
@@ -123,7 +144,16 @@ def lm_weights(state: dict[str, torch.Tensor], layout: SpeechLMConfig, geo: Geom
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _check_shape(key: str, tensor: torch.Tensor, shape: tuple[int, ...] | None, unknown: str, source: str) -> None:
+    if shape is None:
+        raise _fail(f"unexpected key {key!r} ({unknown})")
+    if tuple(tensor.shape) != shape:
+        raise _fail(f"{key} has shape {tuple(tensor.shape)}, {source} gives {shape}")
+
+
 def _export_name(served: str) -> str:
+    if served.startswith(AUDIO_TOWER_PREFIX):
+        return AUDIO_TOWER + served[len(AUDIO_TOWER_PREFIX) :]
     return STREAM_EMB if served == "stream_embeddings.weight" else served
 
 

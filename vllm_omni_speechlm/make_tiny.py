@@ -11,9 +11,11 @@ Geometry: head_dim 32 (vLLM's CPU attention needs >= 32), 2 layers, so engine st
 test time. Backbones: Qwen3 (Bagpiper), OLMo-2 (OpusLM), Llama/SmolLM2 (OpusLM-Dialogue).
 
 Bagpiper's tiny checkpoint is the conversion of a tiny ESPnet export (espnet_bagpiper.py), so it
-also carries a tiny audio tower and adaptor (`audio_tower.*`, `audio_adaptor.*`) that serving
-skips. `--espnet-export` writes that export itself: `model.pth` (`{"module": state_dict}`),
-`backbone/config.json` + `backbone/tokenizer.json` (the tiny Qwen3), `xcodec/config.json`.
+also carries a tiny Qwen3-Omni audio tower and adaptor (`audio_tower.*`, `audio_adaptor.*`; the
+released structure and names, 128 mel bins; config.json's `audio_input` records the geometry).
+`--espnet-export` writes that export itself: `model.pth` (`{"module": state_dict}`),
+`backbone/config.json` + `backbone/tokenizer.json` (the tiny Qwen3), `xcodec/config.json`,
+`audio_tower/config.json` (the tower's transformers config, which the converter takes).
 
 OpusLM's `--espnet-export` writes the tiny checkpoint as an ESPnet experiment: `config.yaml`
 (token_list, token_bias, codec_token_in_use, ...) and `model.pth` (`corelm.*` names, as
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,9 +50,11 @@ from vllm_omni_speechlm.codec.xcodec import (
 )
 from vllm_omni_speechlm.config import (
     AUDIO_ADAPTOR_PREFIX,
-    espnet_modality_sampling,
     AUDIO_TOWER_PREFIX,
     SPEECHLM_KEY,
+    AudioInputSpec,
+    AudioTowerSpec,
+    espnet_modality_sampling,
     SpeechLMConfig,
     bagpiper_layout,
     opuslm_layout,
@@ -116,8 +121,16 @@ def with_espnet_inference_config(layout: SpeechLMConfig, inference: dict) -> Spe
     )
 
 
+# A Qwen3-Omni audio encoder small enough to build in milliseconds: the released structure and
+# names, 128 mel bins and chunking as released; its output width feeds the adaptor.
+TINY_AUDIO_TOWER = AudioTowerSpec(
+    d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, downsample_hidden_size=8, output_dim=24
+)
+
+
 def tiny_bagpiper_layout(text_vocab_size: int) -> SpeechLMConfig:
-    return with_espnet_inference_config(bagpiper_layout(text_vocab_size), TINY_BAGPIPER_INFERENCE)
+    layout = with_espnet_inference_config(bagpiper_layout(text_vocab_size), TINY_BAGPIPER_INFERENCE)
+    return dataclasses.replace(layout, audio_input=AudioInputSpec(tower=TINY_AUDIO_TOWER))
 
 
 FAMILIES = {
@@ -288,16 +301,14 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> SpeechL
 
 # ---- Bagpiper: the tiny checkpoint is what `speechlm-convert` makes of the tiny ESPnet export ----
 
-# A Qwen3-Omni audio encoder (transformers' Qwen3OmniMoeAudioEncoderConfig fields) small enough to
-# build in milliseconds; 128 mel bins as released. Its output width feeds the adaptor.
-TINY_AUDIO_TOWER = dict(
-    d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, downsample_hidden_size=8, output_dim=24
-)
 # Files of a tiny export: ESPnet's state dict, and what ESPnet reads from the hub by name.
 EXPORT_CHECKPOINT = "model.pth"
 EXPORT_BACKBONE = "backbone"  # the Qwen3 directory `model_hf_tag` names: config.json, tokenizer.json
 EXPORT_CODEC_CONFIG = os.path.join("xcodec", "config.json")  # hf-audio/xcodec-hubert-general's
 EXPORT_INFERENCE_CONFIG = "inference.yaml"  # ESPnet's inference config (conf/inference_sft.yaml's keys)
+# The audio tower's transformers config (Qwen3OmniMoeAudioEncoderConfig): ESPnet reads it from the
+# Qwen3-Omni model it names; an export has no copy, so the converter takes it as an argument.
+EXPORT_AUDIO_TOWER_CONFIG = os.path.join("audio_tower", "config.json")
 
 
 def _meta_shapes(build: Callable[[], torch.nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -316,18 +327,31 @@ def _random_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], seed
     return out
 
 
-def tiny_audio_input(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random audio tower + adaptor under their served names (only carried, never run here)."""
+def tiny_audio_input(hidden_size: int, seed: int, tower: AudioTowerSpec = TINY_AUDIO_TOWER) -> dict[str, torch.Tensor]:
+    """Random audio tower + adaptor under their served names: transformers' Qwen3-Omni encoder's
+    tensors, at scales that keep activations near unit size, so different audio gives clearly
+    different feature rows (near-zero weights would make every clip the adaptor's bias)."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
-    config = Qwen3OmniMoeAudioEncoderConfig(**TINY_AUDIO_TOWER)
+    config = Qwen3OmniMoeAudioEncoderConfig(**dataclasses.asdict(tower))
     shapes = {AUDIO_TOWER_PREFIX + k: v for k, v in _meta_shapes(lambda: Qwen3OmniMoeAudioEncoder(config)).items()}
     shapes |= {
         AUDIO_ADAPTOR_PREFIX + "weight": ((hidden_size, config.output_dim), torch.float32),
         AUDIO_ADAPTOR_PREFIX + "bias": ((hidden_size,), torch.float32),
     }
-    return _random_tensors(shapes, seed + 1)  # its own draws: the LM's stay those of random_weights
+    g = torch.Generator().manual_seed(seed + 1)  # its own draws: the LM's stay those of random_weights
+    return {key: _unit_scale(key, shapes[key][0], g) for key in sorted(shapes)}
+
+
+def _unit_scale(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Norm weights near 1, biases small, weights with fan-in scaling (the adaptor's at half of
+    it: its rows stand where token embeddings of std 0.5 would)."""
+    noise = torch.randn(shape, generator=g)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * noise if "norm" in name else 0.1 * noise
+    fan_in = math.prod(shape[1:])
+    return noise * fan_in**-0.5 * (0.5 if name.startswith(AUDIO_ADAPTOR_PREFIX) else 1.0)
 
 
 def tiny_xcodec_model_state(seed: int) -> dict[str, torch.Tensor]:
@@ -382,6 +406,7 @@ def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dic
         "text_tokenizer": os.path.join(out_dir, EXPORT_BACKBONE, "tokenizer.json"),
         "codec_config": os.path.join(out_dir, EXPORT_CODEC_CONFIG),
         "inference_config": os.path.join(out_dir, EXPORT_INFERENCE_CONFIG),
+        "audio_tower_config": os.path.join(out_dir, EXPORT_AUDIO_TOWER_CONFIG),
     }
     for path in paths.values():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -397,7 +422,14 @@ def write_tiny_bagpiper_export(out_dir: str | os.PathLike, seed: int = 0) -> dic
         json.dump(tiny_xcodec_config(), f, indent=2, sort_keys=True)
     with open(paths["inference_config"], "w") as f:
         yaml.safe_dump(TINY_BAGPIPER_INFERENCE, f)
+    with open(paths["audio_tower_config"], "w") as f:
+        json.dump(qwen3_omni_audio_config(layout.audio_input.tower), f, indent=2, sort_keys=True)
     return paths
+
+
+def qwen3_omni_audio_config(tower: AudioTowerSpec) -> dict:
+    """The tower as transformers writes a Qwen3OmniMoeAudioEncoderConfig (what the converter reads)."""
+    return {"model_type": "qwen3_omni_moe_audio_encoder"} | dataclasses.asdict(tower)
 
 
 def _make_tiny_bagpiper(out_dir: str | os.PathLike, seed: int) -> SpeechLMConfig:

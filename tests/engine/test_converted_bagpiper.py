@@ -22,7 +22,8 @@ def converted(tmp_path_factory) -> str:
 
     files = write_tiny_bagpiper_export(tmp_path_factory.mktemp("export"), seed=3)
     out = str(tmp_path_factory.mktemp("converted"))
-    convert_bagpiper(files["checkpoint"], out, files["text_tokenizer"], files["backbone_config"], files["codec_config"])
+    convert_bagpiper(files["checkpoint"], out, files["text_tokenizer"], files["backbone_config"], files["codec_config"],
+                     audio_tower_config_path=files["audio_tower_config"])
     return out
 
 

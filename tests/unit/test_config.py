@@ -46,6 +46,12 @@ def _broken(**changes) -> dict:
         (dict(vocab_size=100), "special_range"),  # ranges beyond the vocabulary
         (dict(text_sampling={"temperature": -1, "top_k": 20}), "text_sampling.temperature"),
         (dict(colour="blue"), "colour"),
+        (dict(audio_input__placeholder_id=8), "audio_input.placeholder_id"),  # <|audio|> itself
+        (dict(audio_input__placeholder_id=255), "audio_input.placeholder_id"),  # the deferred eos
+        (dict(audio_input__hop_length=0), "audio_input.hop_length"),
+        (dict(audio_input__tower={"d_model": 16, "encoder_attention_heads": 3}), "audio_input.tower.encoder_attention_heads"),
+        (dict(audio_input__tower={"n_window_infer": 150}), "audio_input.tower.n_window_infer"),
+        (dict(audio_input__tower={"colour": 1}), "colour"),
     ],
 )
 def test_inconsistent_layouts_name_the_field(changes, field):
@@ -69,3 +75,24 @@ def test_missing_special_is_an_error():
 def test_config_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         bagpiper_layout().vocab_size = 3
+
+
+def test_audio_input_section():
+    """The released layout records the Qwen3-Omni feature extractor and tower; an OpusLM one none."""
+    from vllm_omni_speechlm.config import opuslm_layout
+
+    spec = bagpiper_layout().audio_input
+    assert (spec.sample_rate, spec.n_fft, spec.hop_length, spec.max_samples) == (16000, 400, 160, 4_800_000)
+    assert (spec.tower.d_model, spec.tower.output_dim, spec.tower.num_mel_bins, spec.placeholder_id) == (1280, 2048, 128, 254)
+    assert opuslm_layout().audio_input is None
+
+
+def test_encoder_output_length_is_qwen3_omnis():
+    """Rows per clip: transformers' (and ESPnet's) Qwen3-Omni formula, for every mel length up to 4 chunks."""
+    import torch
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    spec = bagpiper_layout().audio_input
+    frames = torch.arange(1, 401)
+    assert [spec.output_length(int(n)) for n in frames] == _get_feat_extract_output_lengths(frames).tolist()
+    assert spec.num_frames(16000) == 100 and spec.output_length(100) == 13

@@ -43,7 +43,8 @@ def _convert_cli(files: dict, out: str) -> subprocess.CompletedProcess:
     return _run(sys.executable, "-m", "vllm_omni_speechlm.convert", "--family", "bagpiper",
                 "--espnet-checkpoint", files["checkpoint"], "--backbone-config", files["backbone_config"],
                 "--text-tokenizer", files["text_tokenizer"], "--codec-config", files["codec_config"],
-                "--inference-config", files["inference_config"], "--out", out)
+                "--inference-config", files["inference_config"], "--audio-tower-config", files["audio_tower_config"],
+                "--out", out)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_stream_embedding_zero_is_forced(tmp_path, export, reference):
     torch.save(saved, files["checkpoint"])
     out = str(tmp_path / "converted")
     convert_bagpiper(files["checkpoint"], out, files["text_tokenizer"], files["backbone_config"], files["codec_config"],
-                     files["inference_config"])
+                     files["inference_config"], files["audio_tower_config"])
     assert (load_file(os.path.join(out, "model.safetensors"))["stream_embeddings.weight"][0] == 0).all()
     converted = ReferenceSpeechLM(out)
     ids = encode_prompt(reference.tokenizer, reference.cfg, "Say hello.", system="Be brief.")
@@ -174,6 +175,12 @@ BAD_EXPORTS = {
     "shape-adaptor": (lambda s: s.update({eb.ADAPTOR + "weight": torch.zeros(64, 47)}), "adaptor.continuous_audio.weight"),
     "shape-codebook": (lambda s: s.update({eb.CODEC + "quantizer.quantizers.3.codebook.embed": torch.zeros(1024, 31)}),
                        f"{eb.CODEC}quantizer.quantizers.3.codebook.embed has shape"),
+    "shape-tower": (lambda s: s.update({eb.AUDIO_TOWER + "layers.0.fc1.weight": torch.zeros(33, 16)}),
+                    f"{eb.AUDIO_TOWER}layers.0.fc1.weight has shape"),
+    "extra-tower-layer": (lambda s: s.update({eb.AUDIO_TOWER + "layers.1.fc1.weight": torch.zeros(32, 16)}),
+                          f"unexpected key '{eb.AUDIO_TOWER}layers.1.fc1.weight'"),
+    "missing-tower-layer": (lambda s: s.pop(eb.AUDIO_TOWER + "layers.0.self_attn.q_proj.bias"),
+                            f"missing '{eb.AUDIO_TOWER}layers.0.self_attn.q_proj.bias'"),
 }
 
 
@@ -199,7 +206,7 @@ def test_backbone_config_that_disagrees_with_the_weights_fails(tmp_path, export)
     path.write_text(json.dumps(backbone))
     with pytest.raises(ValueError, match="model.embed_tokens.weight has shape"):
         convert_bagpiper(export["checkpoint"], str(tmp_path / "out"), export["text_tokenizer"], str(path),
-                         export["codec_config"])
+                         export["codec_config"], audio_tower_config_path=export["audio_tower_config"])
 
 
 def test_codec_config_that_disagrees_with_the_weights_fails(tmp_path, export):
@@ -209,7 +216,47 @@ def test_codec_config_that_disagrees_with_the_weights_fails(tmp_path, export):
     path.write_text(json.dumps(codec))
     with pytest.raises(ValueError, match="acoustic_decoder.conv1.weight has shape"):
         convert_bagpiper(export["checkpoint"], str(tmp_path / "out"), export["text_tokenizer"],
-                         export["backbone_config"], str(path))
+                         export["backbone_config"], str(path), audio_tower_config_path=export["audio_tower_config"])
+
+
+def test_audio_tower_config_that_disagrees_with_the_weights_fails(tmp_path, export):
+    """Without --audio-tower-config the released geometry is expected; the tiny tower is not it."""
+    with pytest.raises(ValueError, match="audio_tower.* has shape .*, the audio tower config gives"):
+        convert_bagpiper(export["checkpoint"], str(tmp_path / "out"), export["text_tokenizer"],
+                         export["backbone_config"], export["codec_config"])
+    bad = json.load(open(export["audio_tower_config"])) | {"encoder_attention_heads": 3}
+    path = tmp_path / "tower.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="--audio-tower-config: .*encoder_attention_heads: 3 does not divide d_model 16"):
+        convert_bagpiper(export["checkpoint"], str(tmp_path / "out"), export["text_tokenizer"],
+                         export["backbone_config"], export["codec_config"], audio_tower_config_path=str(path))
+
+
+def test_audio_tower_config_of_a_whole_qwen3_omni_config():
+    from vllm_omni_speechlm.config import AudioTowerSpec
+    from vllm_omni_speechlm.convert import audio_tower_spec
+
+    tower = {"d_model": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
+             "downsample_hidden_size": 8, "output_dim": 24, "dropout": 0.0}
+    spec = audio_tower_spec({"thinker_config": {"audio_config": tower}, "model_type": "qwen3_omni_moe"})
+    assert spec == audio_tower_spec(tower) == AudioTowerSpec(**{k: v for k, v in tower.items() if k != "dropout"})
+    assert audio_tower_spec(None) == AudioTowerSpec() and AudioTowerSpec().output_dim == 2048
+
+
+def test_released_audio_tower_shapes_are_qwen3_omnis():
+    """The released geometry's shapes are those transformers' Qwen3-Omni encoder builds."""
+    import dataclasses
+
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    from vllm_omni_speechlm.config import AudioTowerSpec
+
+    spec = dataclasses.replace(AudioTowerSpec(), encoder_layers=2)  # two layers stand for 32
+    with torch.device("meta"):
+        model = Qwen3OmniMoeAudioEncoder(Qwen3OmniMoeAudioEncoderConfig(**dataclasses.asdict(spec)))
+    theirs = {"audio_tower." + k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert eb.audio_tower_shapes(spec) == theirs
 
 
 def test_weight_normalised_codec_is_folded():

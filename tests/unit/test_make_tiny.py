@@ -67,6 +67,25 @@ def test_weights_match_the_config(tiny_bagpiper):
     assert len([k for k in shapes if k.startswith("model.layers.")]) == 11 * raw["num_hidden_layers"]
 
 
+def test_audio_tower_matches_the_config(tiny_bagpiper):
+    """The tiny tower is transformers' Qwen3-Omni encoder at the geometry config.json records."""
+    import dataclasses
+
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    spec = SpeechLMConfig.from_model_dir(tiny_bagpiper).audio_input
+    assert spec.tower.num_mel_bins == 128 and spec.tower.n_window == 50
+    encoder = Qwen3OmniMoeAudioEncoder(Qwen3OmniMoeAudioEncoderConfig(**dataclasses.asdict(spec.tower)))
+    with safe_open(os.path.join(tiny_bagpiper, "model.safetensors"), "pt") as f:
+        tower = {k.removeprefix("audio_tower."): f.get_tensor(k) for k in f.keys() if k.startswith("audio_tower.")}
+        adaptor = f.get_tensor("audio_adaptor.weight")
+    encoder.load_state_dict(tower, strict=True)
+    hidden = json.load(open(os.path.join(tiny_bagpiper, "config.json")))["hidden_size"]
+    assert adaptor.shape == (hidden, spec.tower.output_dim)
+    assert 0.5 < tower["layers.0.fc1.weight"].std() * 16**0.5 < 2  # unit-scale activations, not near zero
+
+
 def test_stack_loads_config_and_tokenizer(tiny_bagpiper):
     from transformers import AutoConfig, AutoTokenizer
 
