@@ -25,6 +25,12 @@ An export DIR holds what ESPnet's build and `bin/inference.py` need:
 Weight files there are optional: ESPnet's build loads pretrained weights that model.pth then
 overwrites (strict), so missing ones are drawn at random from the configs.
 
+Audio cases put deterministic clips (devtools/audio_clips.py, recorded by seconds, pitch and the
+sha256 of their int16 samples) in the user's turn; ESPnet reads them with its continuous_audio IO
+(the tiny Qwen3-Omni tower), and each case runs as bin/inference.py runs a sample: the
+preprocessor's collate_fn builds the batch (the features' rows included), then
+ParallelLLM.inference.
+
 Decoding is greedy (temperature 0). ESPnet samples with torch.multinomial under a fixed seed, so
 its sampled decodings repeat on one torch build, but no serving engine draws the same stream:
 they are not comparable token for token.
@@ -308,6 +314,28 @@ def greedy(max_step: int, min_step: int = 1, cfg: float = 1) -> dict:
     return {"temperature": 0, "topk": 20, "cfg": cfg, "min_step": min_step, "max_step": max_step}
 
 
+def clip_message(seconds: float, pitch: float) -> list:
+    """A user audio message: a devtools/audio_clips.py clip at 16 kHz."""
+    from devtools import audio_clips
+
+    samples = audio_clips.clip(seconds, pitch)
+    return ["user", "audio", {"seconds": seconds, "pitch": pitch, "rate": audio_clips.RATE,
+                              "sha256": audio_clips.sha256(samples)}]
+
+
+def espnet_dialogue(dialogue: list) -> list:
+    """The case's dialogue as ESPnet's preprocessor takes it: an audio message's data is
+    (samples [channels, n] float32, sample rate)."""
+    from devtools import audio_clips
+
+    out = []
+    for role, modality, data in dialogue:
+        if modality == "audio":
+            data = (audio_clips.as_float(audio_clips.clip(data["seconds"], data["pitch"]))[None], data["rate"])
+        out.append([role, modality, data])
+    return out
+
+
 def case(name, enforce, text=greedy(12), audio=greedy(24, min_step=10), dialogue=(SYSTEM, USER)):
     config = {"num_hypo": 1, "text": text, "audio": audio}
     if enforce is not None:
@@ -330,6 +358,21 @@ CASES = [
     case("audio_min_step_25", ["audio"], audio=greedy(40, min_step=25)),  # past the natural end (20)
     # Fewer rows than streams: ESPnet's de-interleave has no whole frame to decode.
     case("audio_max_step_4", ["audio"], audio=greedy(4)),
+    # Audio in: a question about a clip of more than one encoder chunk (100 mel frames) and less,
+    # answered in text; a transcription (a clip under one chunk, no system prompt); speech in and
+    # speech out with cfg 3. The clips are ones whose greedy decodings keep every top-2 logit gap
+    # above 0.015 (random tiny models meet near-ties, where float32 rounding between two
+    # implementations may pick either).
+    case("audio_question_text", ["text"],
+         dialogue=(SYSTEM, clip_message(1.5, 180.0), ["user", "text", "What is said in the recording?"])),
+    case("audio_transcription", ["text"], dialogue=(clip_message(0.7, 240.0),)),
+    case("speech_to_speech_cfg3", ["audio"], audio=greedy(24, min_step=10, cfg=3),
+         dialogue=(SYSTEM, clip_message(5.3, 140.0))),
+    # A clip past one attention window of the tower (8 s): on CPU (sdpa) ESPnet's transformers
+    # 5.0.0rc3 attends over the whole clip; flash attention (ESPnet's training and GPU runs),
+    # later transformers and vLLM attend within the windows (tests/espnet_parity.py).
+    case("audio_question_long_clip", ["text"],
+         dialogue=(SYSTEM, clip_message(9.3, 160.0), ["user", "text", "What is said in the recording?"])),
 ]
 
 
@@ -352,12 +395,15 @@ def run_case(preprocessor, model, spec: dict) -> dict:
     import torch
 
     key = ("dialogue", "goldens", spec["name"])
-    prompt = preprocessor.preprocessing(key, {"dialogue": spec["dialogue"]})["sequence"]
-    out = dict(spec, prompt=prompt.tolist())
+    batch = preprocessor.collate_fn([(key, {"dialogue": espnet_dialogue(spec["dialogue"])})])
+    batch.pop("keys")
+    out = dict(spec, prompt=batch["seqs"][0].tolist())
+    if "continuous_audio_indices" in batch:  # [batch, start, length] of each clip's feature rows
+        out["audio_rows"] = [row[1:] for row in batch["continuous_audio_indices"].tolist()]
     recorder = SegmentRecorder(model)
     torch.manual_seed(SEED)
     try:
-        messages, _ = model.inference(spec["inference_config"], seqs=torch.from_numpy(prompt)[None].long())
+        messages, _ = model.inference(spec["inference_config"], **batch)
     except Exception as e:  # an upstream crash: the case is undefined in ESPnet, say so
         messages, out["espnet_error"] = [], "".join(traceback.format_exception_only(e)).strip()
     finally:
@@ -416,7 +462,8 @@ def goldens(export: str, tmp: str, produced_by: str | None) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "dtype": "float32",
         "rng_seed": SEED,
-        "format": "prompt: rows [stream 0..7] as ESPnet's preprocessor built them. segments: one "
+        "format": "prompt: rows [stream 0..7] as ESPnet's preprocessor built them (an audio clip's rows "
+        "are pad; audio_rows: [start, length] of each clip's feature rows). segments: one "
         "per inference_segment call; modality_token is what followed the forced <|assistant|>; "
         "tokens are every row it sampled, the final eos/eot row included (inference() drops "
         "that row from the decoded content and feeds it back with streams 1..7 zeroed); end is "

@@ -27,7 +27,11 @@ REGENERATE = (
     "(scripts/espnet_goldens.py --export DIR, DIR from speechlm-make-tiny --family bagpiper --espnet-export --seed 0)"
 )
 # Where the project differs from ESPnet on purpose (README: decoding rules).
-EXPECTED_TO_DIFFER: dict[str, str] = {}
+EXPECTED_TO_DIFFER: dict[str, str] = {
+    "audio_question_long_clip": "a clip past the audio tower's 8-s attention window: ESPnet's CPU run "
+    "(transformers 5.0.0rc3, sdpa) attends over the whole clip; flash attention (ESPnet's training and "
+    "GPU inference), transformers 5.14 and vLLM's encoder attend within the windows, as the project does",
+}
 MODES = {None: "auto", ("text",): "text", ("audio",): "audio", ("text", "audio"): "text+audio"}
 
 
@@ -67,11 +71,38 @@ def params(case: dict, max_tokens: int = 160) -> SpeechSamplingParams:
     )
 
 
+def prompt_parts(case: dict) -> tuple[str | None, str | None, list[tuple]]:
+    """(system text, user text, user audio clips as (float32 samples, rate)) of a case's dialogue,
+    which lists them in the prompt builder's order: system, the clips, the user's text."""
+    from devtools import audio_clips
+
+    system = user = None
+    clips = []
+    order = []
+    for role, modality, data in case["dialogue"]:
+        order.append((role, modality))
+        if modality == "audio":
+            samples = audio_clips.clip(data["seconds"], data["pitch"])
+            assert audio_clips.sha256(samples) == data["sha256"], f"{case['name']}: the clip's samples changed"
+            clips.append((audio_clips.as_float(samples), data["rate"]))
+        elif role == "system":
+            system = data
+        else:
+            user = data
+    assert order == sorted(order, key=lambda m: (m[0] != "system", m[1] != "audio")), case["name"]
+    return system, user, clips
+
+
 def prompt_rows(case: dict, cfg: SpeechLMConfig) -> list[int]:
     """ESPnet's prompt (stream 0; the other streams are pad) plus the `<|assistant|>` ESPnet
-    prefills before the first segment: what the project's prompt builder must produce."""
+    prefills before the first segment: what the project's prompt builder must produce, with each
+    clip's feature rows (pad in ESPnet's sequence) as the audio placeholder, expanded."""
     assert all(not any(row[1:]) for row in case["prompt"])
-    return [row[0] for row in case["prompt"]] + [cfg.specials.assistant]
+    ids = [row[0] for row in case["prompt"]]
+    for start, length in case.get("audio_rows", []):
+        assert ids[start : start + length] == [cfg.specials.pad] * length
+        ids[start : start + length] = [cfg.audio_input.placeholder_id] * length
+    return ids + [cfg.specials.assistant]
 
 
 def expected_rows(case: dict, cfg: SpeechLMConfig) -> tuple[list[list[int]], bool]:
@@ -114,4 +145,4 @@ def cases_as_params(goldens: dict):
     return [pytest.param(c, id=c["name"], marks=case_marks(c["name"])) for c in goldens["cases"]]
 
 
-__all__ = ["load", "build_checkpoint", "params", "prompt_rows", "expected_rows", "cases_as_params", "os"]
+__all__ = ["load", "build_checkpoint", "params", "prompt_parts", "prompt_rows", "expected_rows", "cases_as_params", "os"]

@@ -161,25 +161,50 @@ class _Encoder(Protocol):
 
 
 def encode_prompt(
-    tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None = None, text_only: bool = False
+    tokenizer: _Encoder,
+    cfg: SpeechLMConfig,
+    user: str | None,
+    system: str | None = None,
+    text_only: bool = False,
+    audio: int = 0,
 ) -> list[int]:
     """Token ids of a one-turn prompt, ending in <|assistant|>: the chat format (model facts'),
     or ESPnet's dialogue format where the layout has `dialogue_tasks` (`text_only`: the answer
-    is text only, which picks the task token)."""
+    is text only, which picks the task token). `audio` clips come first in the user's turn, each
+    `<|user|><|audio|>` and one audio placeholder (vLLM's processor expands it to the clip's
+    rows), then the user's text if any."""
     if cfg.dialogue_tasks is not None:
+        if audio:
+            raise ValueError("audio: this model family takes no audio input yet")
         return _dialogue_prompt(tokenizer, cfg, user, system, text_only)
+    if audio and cfg.audio_input is None:
+        raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+    messages = [("system", system)] if system else []
+    messages += [("user", None)] * audio + ([("user", user or "")] if user or not audio else [])
+    return chat_prompt(tokenizer, cfg, messages)
+
+
+def chat_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, messages: list[tuple[str, str | None]]) -> list[int]:
+    """ESPnet's Bagpiper preprocessing of (role, text) messages (None: an audio clip): <|bos|>,
+    then per message its role, modality and content, closed by <|eot|> when the next message has
+    the same role and by <|eos|> otherwise; then <|assistant|>."""
     sp = cfg.specials
-
-    def turn(role: int, text: str) -> list[int]:
-        ids = _encode(tokenizer, text)
-        if cfg.prompt_text_zero_is_pad:  # as the model was trained (SpeechLMConfig)
-            ids = [sp.pad if t == cfg.text_range[0] else t for t in ids]
-        return [role, sp.text, *ids, sp.eos]
-
+    roles = {"system": sp.system, "user": sp.user}
     ids = [sp.bos]
-    if system:
-        ids += turn(sp.system, system)
-    return ids + turn(sp.user, user) + [sp.assistant]
+    for i, (role, text) in enumerate(messages):
+        same_next = i + 1 < len(messages) and messages[i + 1][0] == role
+        ids += [roles[role], *_content(tokenizer, cfg, text), sp.eot if same_next else sp.eos]
+    return ids + [sp.assistant]
+
+
+def _content(tokenizer: _Encoder, cfg: SpeechLMConfig, text: str | None) -> list[int]:
+    sp = cfg.specials
+    if text is None:
+        return [sp.audio, cfg.audio_input.placeholder_id]
+    ids = _encode(tokenizer, text)
+    if cfg.prompt_text_zero_is_pad:  # as the model was trained (SpeechLMConfig)
+        ids = [sp.pad if t == cfg.text_range[0] else t for t in ids]
+    return [sp.text, *ids]
 
 
 def _dialogue_prompt(tokenizer: _Encoder, cfg: SpeechLMConfig, user: str, system: str | None, text_only: bool) -> list[int]:

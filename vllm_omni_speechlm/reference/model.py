@@ -3,8 +3,10 @@
 No vLLM, no transformers. It loads the same checkpoint directory as the engine and decodes one
 request at a time: the phase machine, masks and sampling of `decoding.py`, stream-0 sampling the
 way vLLM's sampler does it (`engine_sample`), streams 1..S-1 sampled in the same step,
-stream-embedding input sums, CFG as ESPnet runs it (a second, all-pad branch for each guided
-segment, batched with the first), de-interleave and codec decode.
+stream-embedding input sums, audio input as ESPnet reads it (each clip's log-mel through the
+Qwen3-Omni audio tower and the adaptor, written over the clip's prompt rows: audio_tower.py,
+audio_input.py), CFG as ESPnet runs it (a second, all-pad branch for each guided segment, batched
+with the first), de-interleave and codec decode.
 The random-number contract is documented in `decoding.py`.
 """
 
@@ -18,11 +20,13 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from vllm_omni_speechlm.audio_input import expand_placeholders, log_mel, prepare_audio
 from vllm_omni_speechlm.cfg import merge_guided
 from vllm_omni_speechlm.codec import load_codec_decoder
-from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES, SpeechLMConfig
+from vllm_omni_speechlm.config import AUDIO_ADAPTOR_PREFIX, AUDIO_INPUT_PREFIXES, AUDIO_TOWER_PREFIX, SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
 from vllm_omni_speechlm.delay_pattern import audio_codes
+from vllm_omni_speechlm.reference.audio_tower import AudioTower
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text
@@ -67,7 +71,7 @@ class ReferenceSpeechLM:
         self.device, self.dtype = torch.device(device), dtype
         self.backbone = DecoderBackbone(BackboneConfig.from_json(raw))
         weights = load_file(os.path.join(model_dir, "model.safetensors"))
-        # Audio input is not modelled: its encoder and adaptor are skipped by name, as the engine does.
+        self.audio_tower, self.audio_adaptor = self._audio_input(weights)
         weights = {k: v for k, v in weights.items() if not k.startswith(AUDIO_INPUT_PREFIXES)}
         self.lm_head = weights.pop("lm_head.weight").to(device, dtype)  # [V, H]
         self.stream_emb = weights.pop("stream_embeddings.weight").to(device, dtype)  # [S, H]
@@ -89,6 +93,45 @@ class ReferenceSpeechLM:
         self.rules = DecodingRules(cfg, device)
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.codec = load_codec_decoder(cfg.codec, model_dir, device=device)
+
+    def _audio_input(self, weights: dict[str, torch.Tensor]) -> tuple[AudioTower | None, torch.nn.Linear | None]:
+        """The audio tower and adaptor of a checkpoint with an `audio_input` section."""
+        spec = self.cfg.audio_input
+        if spec is None:
+            return None, None
+        tower = AudioTower(spec.tower)
+        tower.load_state_dict({k.removeprefix(AUDIO_TOWER_PREFIX): v for k, v in weights.items() if k.startswith(AUDIO_TOWER_PREFIX)})
+        adaptor_weight = weights[AUDIO_ADAPTOR_PREFIX + "weight"]
+        adaptor = torch.nn.Linear(adaptor_weight.shape[1], adaptor_weight.shape[0])
+        adaptor.load_state_dict({k.removeprefix(AUDIO_ADAPTOR_PREFIX): v for k, v in weights.items() if k.startswith(AUDIO_ADAPTOR_PREFIX)})
+        return tower.to(self.device, self.dtype).eval(), adaptor.to(self.device, self.dtype).eval()
+
+    @torch.inference_mode()
+    def audio_features(self, clip) -> torch.Tensor:
+        """One clip (what `audio_input.prepare_audio` takes) -> [rows, H] prompt-row embeddings."""
+        if self.audio_tower is None:
+            raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+        spec = self.cfg.audio_input
+        mel = log_mel(prepare_audio(clip, spec), spec).to(self.device, self.dtype)
+        return self.audio_adaptor(self.audio_tower(mel))
+
+    def prompt(self, prompt_ids: list[int], audio: list | None) -> tuple[list[int], torch.Tensor]:
+        """(the prompt with each clip's placeholder expanded to its rows, its [1, L, H] input
+        embeddings): ESPnet sums the streams' embeddings of every row, then overwrites a clip's
+        rows with its features."""
+        features = [self.audio_features(clip) for clip in audio or []]
+        rows: list[int] = []
+        if self.cfg.audio_input is not None:
+            lengths = [f.shape[0] for f in features]
+            prompt_ids, rows = expand_placeholders(prompt_ids, lengths, self.cfg.audio_input.placeholder_id)
+        elif features:
+            raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+        tokens = torch.zeros(1, len(prompt_ids), self.cfg.num_streams, dtype=torch.long, device=self.device)
+        tokens[..., 0] = torch.tensor(prompt_ids, device=self.device)
+        embeds = self.embed(tokens)
+        if features:
+            embeds[0, rows] = torch.cat(features).to(embeds.dtype)
+        return prompt_ids, embeds
 
     # ---- one step -------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -119,7 +162,9 @@ class ReferenceSpeechLM:
         return seeded_exponential(torch.tensor([aux_seed(seed)], device=self.device), generated, shape)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SpeechSamplingParams) -> ReferenceOutput:
+    def generate(self, prompt_ids: list[int], params: SpeechSamplingParams, audio: list | None = None) -> ReferenceOutput:
+        """`audio`: one clip per audio placeholder of `prompt_ids`, in order (a path, or a
+        (samples, sample rate) pair)."""
         cfg, rules = self.cfg, self.rules
         p = params.resolve(cfg)
         rows = RowSampling.from_values([p.row_values()], self.device)
@@ -128,10 +173,9 @@ class ReferenceSpeechLM:
         phase = torch.tensor([int(Phase.START)], device=self.device)
         phase_step = torch.zeros(1, dtype=torch.long, device=self.device)
 
-        prompt = torch.zeros(1, len(prompt_ids), cfg.num_streams, dtype=torch.long, device=self.device)
-        prompt[..., 0] = torch.tensor(prompt_ids, device=self.device)
+        prompt_ids, embeds = self.prompt(prompt_ids, audio)
         cache = self.backbone.new_cache()
-        hidden = self.backbone(self.embed(prompt), 0, cache)[:, -1]  # [B, H]: B = 2 in a guided segment
+        hidden = self.backbone(embeds, 0, cache)[:, -1]  # [B, H]: B = 2 in a guided segment
 
         steps, kinds, finish = [], [], "length"
         segment = torch.zeros(1, dtype=torch.long, device=self.device)
