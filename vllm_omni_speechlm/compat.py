@@ -65,6 +65,9 @@ _OMNI_SCHED = "vllm_omni.core.sched.omni_ar_scheduler:OmniARScheduler"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _AR_RUNNER = "vllm_omni.worker.gpu_ar_model_runner:GPUARModelRunner"
 _REQUEST = "vllm.v1.request:Request"
+_MM_PROC = "vllm.multimodal.processing.processor:BaseMultiModalProcessor"
+_MM_INFO = "vllm.multimodal.processing.context:BaseProcessingInfo"
+_MM_DUMMY = "vllm.multimodal.processing.dummy_inputs:BaseDummyInputsBuilder"
 _ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
 
 HOOKS = (
@@ -125,6 +128,7 @@ HOOKS = (
          "self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens"),
     Hook(_RUNNER, "_get_prompt_logprobs_dict", "call", "self, hidden_states, num_scheduled_tokens"),
     Hook(_RUNNER, "_pp_recv_work", "attribute"),
+    Hook(_RUNNER, "encoder_cache", "attribute"),  # encoder_cache_rows (tests: the cache gives rows back)
     Hook(_RUNNER, "prev_positions", "attribute"),
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_sampled_token_ids", "attribute"),
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_req_id_to_index", "attribute"),
@@ -132,6 +136,18 @@ HOOKS = (
     Hook("vllm.v1.worker.gpu_worker:Worker", "compile_or_warm_up_model", "override", "self"),
     Hook("vllm.model_executor.warmup.jit_warmup", "jit_warmup_registry", "attribute"),  # set on runners
     Hook("vllm.model_executor.warmup.jit_warmup:JitWarmupRegistry", "_registrations", "attribute"),
+    # audio input through vLLM's multimodal processing (models/audio_processor.py, models/bagpiper.py)
+    Hook(_MM_PROC, "_get_mm_fields_config", "override", "self, hf_inputs, hf_processor_mm_kwargs"),
+    Hook(_MM_PROC, "_get_prompt_updates", "override", "self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs"),
+    Hook(_MM_PROC, "requires_tokenizer", "attribute"),
+    Hook(_MM_INFO, "get_hf_processor", "override", "self, **kwargs"),
+    Hook(_MM_INFO, "get_data_parser", "override", "self"),
+    Hook(_MM_INFO, "get_supported_mm_limits", "override", "self"),
+    Hook(_MM_INFO, "get_mm_max_tokens_per_item", "override", "self, seq_len, mm_counts"),
+    Hook(_MM_DUMMY, "get_dummy_processor_inputs", "override", "self, seq_len, mm_counts, mm_options"),
+    Hook(_MM_DUMMY, "_get_dummy_audios", "call", "self, *, length, num_audios, overrides=None"),
+    Hook("vllm.model_executor.models.qwen3_omni_moe_thinker:Qwen3OmniMoeAudioEncoder", "forward", "call",
+         "self, input_features, feature_lens, aftercnn_lens"),
     # CPU platform (platforms/cpu_worker.py)
     Hook("vllm.v1.worker.cpu_worker", "CPUModelRunner", "attribute"),  # replaced: building_cpu_runner
     Hook("vllm.v1.worker.cpu_model_runner", "_torch_cuda_wrapper", "call", ""),
@@ -437,3 +453,9 @@ def pass_parallel_stage_init_from_deploy() -> None:
 
     __init__._reads_deploy_parallel_stage_init = True  # type: ignore[attr-defined]
     OmniEngineBase.__init__ = __init__
+
+
+def encoder_cache_rows(runner: Any) -> int:
+    """Rows of encoder output a model runner holds (vLLM keeps them by clip hash until its
+    scheduler evicts them)."""
+    return sum(t.shape[0] for t in runner.encoder_cache.values())

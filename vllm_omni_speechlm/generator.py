@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 import vllm_omni_speechlm.stage_configs as stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
+from vllm_omni_speechlm.audio_input import prepare_audio
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
@@ -107,18 +108,33 @@ class SpeechLMGenerator:
         self.close()
 
     # ---- requests -------------------------------------------------------------------------
-    def encode(self, prompt: str, system: str | None, params: SpeechSamplingParams | None = None) -> list[int]:
+    def encode(
+        self, prompt: str, system: str | None, params: SpeechSamplingParams | None = None, audio: int = 0
+    ) -> list[int]:
         """A prompt's ids; `params` (the request's options) tells a text-only answer, which
-        ESPnet's dialogue prompt (OpusLM) marks with its task token."""
-        if not isinstance(prompt, str) or not prompt.strip():
+        ESPnet's dialogue prompt (OpusLM) marks with its task token. `audio` clips come before the
+        prompt's text (which may then be empty: a transcription)."""
+        if not isinstance(prompt, str) or not (prompt.strip() or audio):
             raise ValueError(f"prompts: each prompt must be a non-empty string, got {prompt!r}")
         text_only = params is not None and params.modality == OutputMode.TEXT
-        return encode_prompt(self.tokenizer, self.cfg, prompt, system=system, text_only=text_only)
+        return encode_prompt(self.tokenizer, self.cfg, prompt, system=system, text_only=text_only, audio=audio)
 
-    def engine_request(self, prompt_ids: list[int], params: SpeechSamplingParams) -> tuple[dict, Any]:
-        """(prompt dict, vLLM SamplingParams) of one request (see `engine_request.py`)."""
+    def engine_request(self, prompt_ids: list[int], params: SpeechSamplingParams, audio: list | None = None) -> tuple[dict, Any]:
+        """(prompt dict, vLLM SamplingParams) of one request (see `engine_request.py`); `audio`:
+        the prompt's clips as `prepare_clips` returns them."""
         p = params.resolve(self.cfg)
-        return engine_prompt(prompt_ids, p), stage0_sampling_params(self.cfg, p)
+        return engine_prompt(prompt_ids, p, audio=audio), stage0_sampling_params(self.cfg, p)
+
+    def prepare_clips(self, clips: Any) -> list:
+        """One prompt's audio (a clip or a list of clips; a clip is a path or a (samples, sample
+        rate) pair) -> 16 kHz mono float32 waveforms, checked (ValueError naming audio)."""
+        if clips is None:
+            return []
+        if self.cfg.audio_input is None:
+            raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+        if not isinstance(clips, list):
+            clips = [clips]
+        return [prepare_audio(clip, self.cfg.audio_input) for clip in clips]
 
     def generate(
         self,
@@ -127,20 +143,29 @@ class SpeechLMGenerator:
         system: str | None = None,
         text_only: bool = False,
         modality: str | None = None,
+        audio: Any = None,
         **sampling: Any,
     ) -> list[dict[str, Any]]:
         """One dict per prompt: text, audio (base64 16 kHz PCM16 WAV), waveform (the same audio as a
         float32 tensor, or None), finish_reason, token_ids (stream 0) and stream_token_ids ([L][S],
         every stream of every step).
 
+        `audio`: audio input (Bagpiper), heard before the prompt's text: for one prompt, a clip or
+        a list of clips; for a list of prompts, a list with one such entry (or None) per prompt. A
+        clip is a file path or a (samples, sample rate) pair: 1-D samples, or 2-D channels x
+        samples (averaged); any rate (resampled to 16 kHz). With audio a prompt may be "" (a
+        transcription).
+
         `sampling`: cfg_scale, text_temperature, text_top_k, audio_temperature, audio_top_k,
         max_tokens, min/max_text_tokens, min/max_audio_frames, seed (see SpeechSamplingParams). `text_only=True` is
         `modality="text"`; modality defaults to "auto" (the model chooses)."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
+        single = isinstance(prompts, str)
+        prompts = [prompts] if single else prompts
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts: expected a non-empty string or list of strings")
+        clips = self._clips_per_prompt(audio, len(prompts), single)
         params = self._params(text_only, modality, sampling)
-        requests = [self.engine_request(self.encode(p, system, params), params) for p in prompts]
+        requests = [self.engine_request(self.encode(p, system, params, len(c)), params, c) for p, c in zip(prompts, clips)]
         # One SamplingParams per stage for the whole call (Omni takes one per stage).
         stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
         by_request: dict[str, list[Any]] = {}  # two-stage: stage 0's text and stage 1's audio
@@ -157,6 +182,7 @@ class SpeechLMGenerator:
         system: str | None = None,
         text_only: bool = False,
         modality: str | None = None,
+        audio: Any = None,
         **sampling: Any,
     ) -> Iterator[torch.Tensor]:
         """Yield the answer's 16 kHz audio as it is decoded: [N_i] float32 chunks, each only new
@@ -164,11 +190,12 @@ class SpeechLMGenerator:
 
         With a streaming deployment (`bagpiper_streaming.yaml`) a chunk is one window (the first
         after ~10 frames); with any other deployment the whole clip is one chunk at the end.
-        Closing the iterator early aborts the request. Options as in `generate`."""
+        Closing the iterator early aborts the request. Options (`audio` included) as in `generate`."""
         params = self._params(text_only, modality, sampling)
-        request = self.engine_request(self.encode(prompt, system, params), params)
+        clips = self.prepare_clips(audio)
+        request = self.engine_request(self.encode(prompt, system, params, len(clips)), params, clips)
         if not self.plan.two_stage:
-            [result] = self.generate(prompt, system=system, text_only=text_only, modality=modality, **sampling)
+            [result] = self.generate(prompt, system=system, text_only=text_only, modality=modality, audio=audio, **sampling)
             if result["waveform"] is not None:
                 yield result["waveform"]
             return
@@ -183,6 +210,16 @@ class SpeechLMGenerator:
         finally:
             if not finished:  # the caller stopped early (or failed): free the request's stages
                 self.omni.engine.abort(list(self.omni.request_states))
+
+    def _clips_per_prompt(self, audio: Any, num_prompts: int, single: bool) -> list[list]:
+        if audio is None:
+            return [[] for _ in range(num_prompts)]
+        if single:
+            return [self.prepare_clips(audio)]
+        if not isinstance(audio, list) or len(audio) != num_prompts:
+            raise ValueError(f"audio: with {num_prompts} prompts, expected a list of {num_prompts} entries (a clip, "
+                             "a list of clips or None each)")
+        return [self.prepare_clips(a) for a in audio]
 
     def _params(self, text_only: bool, modality: str | None, sampling: dict) -> SpeechSamplingParams:
         if text_only and modality not in (None, "text"):

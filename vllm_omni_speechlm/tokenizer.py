@@ -51,10 +51,15 @@ Numbers: one two three four five six seven eight nine ten eleven twelve hundred 
 """.strip().splitlines()
 
 
+def reserved_token_text(token_id: int) -> str:
+    """The text of an unnamed special id (the audio placeholder is one)."""
+    return f"<|reserved_{token_id}|>"
+
+
 def special_token_strings(cfg: SpeechLMConfig) -> dict[int, str]:
     """Id -> text of every non-text token: named specials, reserved specials, codec slots."""
     named = {tok: SPECIAL_TOKEN_TEXT[name] for name, tok in cfg.specials.items()}
-    out = {i: named.get(i, f"<|reserved_{i}|>") for i in range(*cfg.special_range)}
+    out = {i: named.get(i, reserved_token_text(i)) for i in range(*cfg.special_range)}
     for s in cfg.streams:
         out[s.pad_id] = out.get(s.pad_id, f"<|s{s.index}_pad|>")
         for code in range(s.codebook_size):

@@ -1,5 +1,6 @@
 """The engine (vLLM, float32, CPU) decodes every golden case as ESPnet's ParallelLLM.inference
-did: every stream of every row, all cases in one batch (CFG companions included). The checkpoint
+did: every stream of every row, all cases in one batch (CFG companions and audio input
+included: the clips' rows where ESPnet put them). The checkpoint
 is rebuilt from its seed (tests/espnet_parity.py); the reference's side is
 tests/unit/test_espnet_parity_reference.py."""
 
@@ -11,7 +12,6 @@ import espnet_parity as golden
 
 pytestmark = pytest.mark.engine
 GOLDENS = golden.load()
-GOLDENS["cases"] = [c for c in GOLDENS["cases"] if "audio_rows" not in c]  # audio input: not in the engine yet
 ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=16, max_model_len=512, gpu_memory_utilization=0.3)
 
 
@@ -23,16 +23,24 @@ def decoded(tmp_path_factory) -> dict[str, dict]:
     with SpeechLMGenerator(served, **ENGINE) as gen:
         requests = []
         for case in GOLDENS["cases"]:
-            (_, _, system), (_, _, user) = case["dialogue"]
-            ids = gen.encode(user, system)
-            assert ids == golden.prompt_rows(case, gen.cfg)
-            requests.append(gen.engine_request(ids, golden.params(case)))
+            system, user, clips = golden.prompt_parts(case)
+            ids = gen.encode(user or "", system, audio=len(clips))
+            requests.append(gen.engine_request(ids, golden.params(case), gen.prepare_clips(clips)))
         outputs = {}
         for out in gen.omni.generate([r[0] for r in requests], [requests[0][1]], use_tqdm=False):
             outputs.setdefault(out.request_id, []).append(out)
         ordered = sorted(outputs.items(), key=lambda item: int(item[0].split("_", 1)[0]))
         results = [gen.result(*outs) for _, outs in ordered]
-        return {case["name"]: dict(result, cfg=gen.cfg) for case, result in zip(GOLDENS["cases"], results)}
+        prompts = [outs[0].prompt_token_ids for _, outs in ordered]  # as vLLM's processor expanded them
+        return {case["name"]: dict(result, cfg=gen.cfg, prompt=prompt) for case, result, prompt in
+                zip(GOLDENS["cases"], results, prompts)}
+
+
+@pytest.mark.parametrize("case", GOLDENS["cases"], ids=golden.case_ids(GOLDENS))
+def test_engine_prompt_is_espnets(decoded, case):
+    """The prompt vLLM ran: each clip's placeholder expanded to the rows ESPnet gave its features."""
+    result = decoded[case["name"]]
+    assert list(result["prompt"]) == golden.prompt_rows(case, result["cfg"])
 
 
 @pytest.mark.parametrize("case", golden.cases_as_params(GOLDENS))

@@ -41,8 +41,8 @@ class SpeechLMForCausalLM(nn.Module):
     omni_client_multimodal_output_keys = (CODES_KEY,)
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    # Audio input is not served yet: a checkpoint's audio encoder and adaptor are dropped here, by
-    # name (any other unknown weight still fails the load).
+    # A model without audio input drops a checkpoint's audio encoder and adaptor here, by name (any
+    # other unknown weight still fails the load); one with it (bagpiper.py) loads them.
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=dict.fromkeys(AUDIO_INPUT_PREFIXES))
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -94,8 +94,11 @@ class SpeechLMForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        if inputs_embeds is None:  # stream 0 plus the aux streams staged by prepare_runner_inputs
-            inputs_embeds = self.model.embed_input_ids(input_ids) + self.aux_input[: input_ids.shape[0]]
+        # stream 0 (a multimodal model's runner embeds it, audio features included) plus the aux
+        # streams staged by prepare_runner_inputs
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_input_ids(input_ids)
+        inputs_embeds = inputs_embeds + self.aux_input[: inputs_embeds.shape[0]]
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
 
     def aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,9 +149,12 @@ class SpeechLMForCausalLM(nn.Module):
         req_ids: list[str],
         num_computed_tokens: np.ndarray,
         num_scheduled_tokens: np.ndarray,
+        input_ids_buffer: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.steps.prepare(input_ids, req_ids, num_computed_tokens, num_scheduled_tokens)
+        # A multimodal model's runner passes embeddings instead of ids (input_ids None)
+        self.steps.prepare(input_ids if input_ids is not None else input_ids_buffer, req_ids, num_computed_tokens,
+                           num_scheduled_tokens)
         return input_ids, positions
 
     def make_omni_output(self, model_outputs: torch.Tensor, **kwargs: Any) -> Any:
