@@ -65,6 +65,7 @@ _OMNI_SCHED = "vllm_omni.core.sched.omni_ar_scheduler:OmniARScheduler"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _AR_RUNNER = "vllm_omni.worker.gpu_ar_model_runner:GPUARModelRunner"
 _REQUEST = "vllm.v1.request:Request"
+_ENC_CACHE = "vllm.v1.core.encoder_cache_manager:EncoderCacheManager"
 _MM_PROC = "vllm.multimodal.processing.processor:BaseMultiModalProcessor"
 _MM_INFO = "vllm.multimodal.processing.context:BaseProcessingInfo"
 _MM_DUMMY = "vllm.multimodal.processing.dummy_inputs:BaseDummyInputsBuilder"
@@ -129,6 +130,10 @@ HOOKS = (
     Hook(_RUNNER, "_get_prompt_logprobs_dict", "call", "self, hidden_states, num_scheduled_tokens"),
     Hook(_RUNNER, "_pp_recv_work", "attribute"),
     Hook(_RUNNER, "encoder_cache", "attribute"),  # encoder_cache_rows (tests: the cache gives rows back)
+    Hook(_SCHED, "encoder_cache_manager", "attribute"),  # encoder_cache_held (tests)
+    Hook(_ENC_CACHE, "request_cached_ids", "attribute"),
+    Hook(_ENC_CACHE, "num_freeable_slots", "attribute"),
+    Hook(_ENC_CACHE, "cache_size", "attribute"),
     Hook(_RUNNER, "prev_positions", "attribute"),
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_sampled_token_ids", "attribute"),
     Hook("vllm.v1.worker.gpu_input_batch:InputBatch", "prev_req_id_to_index", "attribute"),
@@ -459,3 +464,10 @@ def encoder_cache_rows(runner: Any) -> int:
     """Rows of encoder output a model runner holds (vLLM keeps them by clip hash until its
     scheduler evicts them)."""
     return sum(t.shape[0] for t in runner.encoder_cache.values())
+
+
+def encoder_cache_held(scheduler: Any) -> tuple[int, int]:
+    """(requests holding encoder-cache entries, cache slots no eviction could reclaim) of a
+    scheduler: (0, 0) once no live request needs a clip's encoder output."""
+    manager = scheduler.encoder_cache_manager
+    return len(manager.request_cached_ids), manager.cache_size - manager.num_freeable_slots

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -22,6 +23,7 @@ from vllm_omni.outputs import OmniModelRunnerOutput
 from vllm_omni.request import OmniRequest
 
 from vllm_omni_speechlm.cfg import is_companion, main_id
+from vllm_omni_speechlm.compat import encoder_cache_held
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.stage0.scheduler import PairedCFGAsyncScheduler, PairedCFGScheduler
@@ -72,7 +74,17 @@ def _ids(speech: SpeechLMConfig, script: str) -> list[int]:
     return [names[t] for t in script.split()]
 
 
-def _requests(speech: SpeechLMConfig, names: list[str]) -> tuple[list[OmniRequest], dict[str, list[int]]]:
+def _clip(speech: SpeechLMConfig, rng: random.Random, i: int) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+    """A clip's placeholder rows after <|user|><|audio|>, as vLLM's processor leaves a prompt; every
+    third request hears the same clip (one cached encoder output, several references)."""
+    rows = rng.randint(3, 9)
+    spec = MultiModalFeatureSpec(data=None, modality="audio", identifier=f"clip-{i % 3}-{rows}",
+                                 mm_position=PlaceholderRange(offset=3, length=rows))
+    sp = speech.specials
+    return [sp.bos, sp.user, sp.audio] + [speech.audio_input.placeholder_id] * rows + [sp.eos], [spec]
+
+
+def _requests(speech: SpeechLMConfig, names: list[str], clips: bool = False) -> tuple[list[OmniRequest], dict[str, list[int]]]:
     rng = random.Random(0)
     requests, scripts = [], {}
     for i, name in enumerate(names):
@@ -83,8 +95,10 @@ def _requests(speech: SpeechLMConfig, names: list[str]) -> tuple[list[OmniReques
         params.update_from_generation_config({}, speech.specials.eos)
         info = SpeechSamplingParams(modality=mode, cfg_scale=1.0 if name == "unguided" else 3.0).to_info()
         prompt = [speech.text_range[0] + rng.randrange(50) for _ in range(rng.randint(4, 12))]
-        requests.append(OmniRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
-                                    arrival_time=float(i), additional_information=info))
+        audio, features = _clip(speech, rng, i) if clips else ([], None)
+        requests.append(OmniRequest(request_id=rid, prompt_token_ids=audio + prompt, sampling_params=params,
+                                    pooling_params=None, arrival_time=float(i), additional_information=info,
+                                    mm_features=features))
     return requests, scripts
 
 
@@ -195,3 +209,39 @@ def test_companion_lives_exactly_through_guided_segments(tiny_bagpiper, speech, 
         assert not text & guided[rid], f"{rid}: text rows with a companion: {sorted(text & guided[rid])}"
     assert sorted(prompts) == _expected_prompts(speech, requests, scripts)
     assert not scheduler.partner and not scheduler._guided and not scheduler._guided_from and not scheduler.requests
+
+
+@pytest.mark.parametrize("num_blocks", [400, 10], ids=["roomy", "ten_blocks"])
+@pytest.mark.parametrize("cls,depth", [(PairedCFGScheduler, 1), (PairedCFGAsyncScheduler, 2)], ids=["sync", "async"])
+def test_clips_are_given_back_when_requests_finish(tiny_bagpiper, speech, cls, depth, num_blocks):
+    """Prompts with clips (shared between requests), CFG pairs, preemption: the answers are the
+    scripts, and once every request has finished no encoder-cache entry is held."""
+    requests, scripts = _requests(speech, list(SCRIPTS) * 2, clips=True)
+    scheduler = _scheduler(cls, _vllm_config(tiny_bagpiper, 16), num_blocks)
+    assert scheduler.encoder_cache_manager is not None  # the model takes audio: vLLM budgets its encoder
+    emitted, _, _ = _run(scheduler, copy.deepcopy(requests), scripts, depth)
+    assert emitted == scripts
+    assert encoder_cache_held(scheduler) == (0, 0)
+
+
+@pytest.mark.parametrize("cls", [PairedCFGScheduler, PairedCFGAsyncScheduler], ids=["sync", "async"])
+def test_clips_are_given_back_when_requests_abort(tiny_bagpiper, speech, cls):
+    """Aborted mid-answer (mains of guided segments included): no encoder-cache entry is held."""
+    from vllm.v1.request import RequestStatus
+
+    requests, scripts = _requests(speech, list(SCRIPTS), clips=True)
+    scheduler = _scheduler(cls, _vllm_config(tiny_bagpiper, 16))
+    for request in requests:
+        scheduler.add_request(request)
+    for step in range(4):  # prefilled, a few rows in
+        output = scheduler.schedule()
+        if step == 0:  # the clips' encoder outputs are scheduled and held by their requests
+            assert output.scheduled_encoder_inputs and min(encoder_cache_held(scheduler)) > 0
+        ids = list(output.num_scheduled_tokens)
+        rows = _rows(scheduler, output)
+        tokens = [[_row(scripts[main_id(rid)], rows[rid])] for rid in ids]
+        runner = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens)
+        scheduler.update_from_output(output, runner)
+    assert encoder_cache_held(scheduler)[0] == 0  # prefilled: vLLM drops a clip's reference once its rows ran
+    scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
+    assert encoder_cache_held(scheduler) == (0, 0) and not scheduler.requests and not scheduler.partner
