@@ -6,7 +6,7 @@ is `{"codes": {"audio": LongTensor[1, S]}}`: the step's unified token ids of all
 (`[0, S]` on partial-prefill steps).
 
 Per request it buffers the audio rows (stream 0 in stream 0's codec slice, the same rule as
-`delay_pattern.audio_codes`, so text rows and the final eos row drop out) and, once enough frames
+`delay_pattern.audio_rows`, so text rows and the final eos row drop out) and, once enough frames
 are complete (frame t is complete once row t + S - 1 exists), sends stage 1 one window:
 
     frames [emitted - left, target + holdback)   flattened [T_win * Q] codebook indices
@@ -37,7 +37,7 @@ import torch
 from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows, num_complete_frames
+from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_complete_frames, segment_codes
 from vllm_omni_speechlm.frames import frame_rows
 from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
 
@@ -104,7 +104,7 @@ def speechlm2codec_async_chunk(
     left = min(settings["codec_left_context_frames"], emitted)
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
     # The window's rows are all audio rows, >= S of them: [left + new + holdback, Q].
-    codes = audio_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
+    codes = segment_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
     state["emitted"] = target
     _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
     return OmniPayloadStruct(
@@ -126,8 +126,8 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
 # vllm-omni's orchestrator calls this (stage 1's `sync_process_input_func`) once stage 0 has
 # finished a request, with that request's output: `codes.audio` then holds every step's [1, S] row,
 # concatenated to [L, S] (the key's CONCAT_DIM0 strategy). The clip goes to stage 1 as a single
-# window with no left context and no holdback, so stage 1 decodes it whole and keeps all of it:
-# the same audio as the reference's whole-clip decoding, delivered once at the end.
+# window with no left context and no holdback, listing its audio segments' lengths; stage 1 decodes
+# each segment whole and keeps all of it: the reference's decoding, delivered once at the end.
 
 
 def _finished_stream_tokens(source_output: Any) -> torch.Tensor | None:
@@ -151,7 +151,8 @@ def speechlm2codec(
     target_model_config: Any = None,
 ) -> list[Any]:
     """Finished stage-0 outputs -> one stage-1 prompt per clip: flattened [T * Q] codebook indices
-    (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0.
+    (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0
+    and segment_frames (the frames of each audio segment, which stage 1 decodes on its own).
 
     A request that produced no audio (a text-only answer, or fewer than S audio rows) yields no
     prompt: the orchestrator then finishes it from the final stage with empty audio, instead of
@@ -168,13 +169,14 @@ def speechlm2codec(
         if not getattr(source_output, "finished", True):
             continue  # batch mode decodes finished clips only
         tokens = _finished_stream_tokens(source_output)  # [L, S]
-        codes = None if tokens is None else audio_codes(tokens.reshape(-1, cfg.num_streams), cfg)  # [T, Q]
-        if codes is None:
+        segments = [] if tokens is None else audio_segments(tokens.reshape(-1, cfg.num_streams), cfg)  # [T_i, Q]
+        if not segments:
             continue
+        meta = {"left_context_size": 0, "right_holdback_size": 0, "segment_frames": [c.shape[0] for c in segments]}
         prompts.append(
             OmniTokensPrompt(
-                prompt_token_ids=codes.reshape(-1).tolist(),  # [T * Q], frame-major
-                additional_information={"meta": {"left_context_size": 0, "right_holdback_size": 0}},
+                prompt_token_ids=torch.cat(segments).reshape(-1).tolist(),  # [T * Q], frame-major
+                additional_information={"meta": meta},
             )
         )
     return prompts
