@@ -287,11 +287,12 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
     info = None if first is None else {INITIAL_CHUNK_KEY: first}
-    request = SimpleNamespace(external_req_id=req_id, additional_information=info)
+    request = SimpleNamespace(external_req_id=req_id, additional_information=info, output_token_ids=[])
     gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm)) if gated else None
     sent, calls = [], 0
     for i, row in enumerate(tokens):
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
+        request.output_token_ids.append(int(row[0]))  # vLLM's request holds the step's token by then
         if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
             hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
             if not hand_over:
