@@ -7,7 +7,8 @@ text LM of the same backbone decoding N completions at once.
 Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy` for
 another one), with dummy weights as the only change (Bagpiper layout at Qwen3-8B geometry, a random
 X-Codec decoder of the released geometry). Every answer asks for exactly --gen-len audio frames
-(its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale.
+(its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale
+(several values: each is measured at every level on the same server, key "N cfg=X").
 At each concurrency level N clients post at once, each streaming one audio-only answer (raw PCM, or
 SSE with `--format sse`), and the client times every chunk. Per level:
     first audio   request sent -> first audio bytes: p50 / p90 / max
@@ -21,6 +22,13 @@ Text: vLLM's OpenAI server on the backbone alone (same geometry, dummy weights),
 completions of --gen-len tokens at once (`ignore_eos`); per request decode tok/s = (tokens - 1) /
 (last token - first token). The two servers run one after the other in one invocation. The JSON
 is rewritten after every level, so a run cut short keeps what it measured.
+
+Where the time goes (`server` per level, from the server's /metrics before and after the level):
+per stage, the mean time between a request's outputs (stage 0: its step time as the engine
+reports it), the mean tokens per engine step (stage 0: the batch; stage 1: code ids decoded per
+call), engine steps, preemptions; the mean shared-memory send time from stage 0 to stage 1.
+`--set STAGE.KEY=VALUE` changes one stage setting of the deploy YAML (diagnosis only; the
+recorded settings say so).
 """
 
 from __future__ import annotations
@@ -51,13 +59,18 @@ STALL_FREE_S = 1e-3
 # ---- files --------------------------------------------------------------------------------
 
 
-def dummy_weights_deploy(name: str, out: Path) -> str:
-    """The shipped deploy YAML `name`, its stages loading dummy weights."""
+def dummy_weights_deploy(name: str, out: Path, overrides: list[str] = ()) -> str:
+    """The shipped deploy YAML `name`, its stages loading dummy weights, with `STAGE.KEY=VALUE`
+    overrides."""
     from vllm_omni_speechlm import stage_configs
 
     deploy = yaml.safe_load(Path(stage_configs.path(name)).read_text())
     for stage in deploy["stages"]:
         stage["load_format"] = "dummy"
+    for item in overrides:
+        where, value = item.split("=", 1)
+        stage_id, key = where.split(".", 1)
+        deploy["stages"][int(stage_id)][key] = yaml.safe_load(value)
     out.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return str(out)
 
@@ -170,6 +183,43 @@ def text_summary(results: list[dict], wall: float) -> dict:
     }
 
 
+# ---- the server's side --------------------------------------------------------------------
+
+# (summary key, Prometheus family, the stage label or None): a histogram's mean over the level.
+SERVER_MEANS = [
+    ("step_s", "vllm:inter_token_latency_seconds", "stage"),
+    ("tokens_per_step", "vllm:iteration_tokens_total", "stage"),
+    ("shm_send_s", "vllm_omni:transfer_tx_s", None),
+]
+SERVER_COUNTS = [("steps", "vllm:iteration_tokens_total_count"), ("preemptions", "vllm:num_preemptions_total")]
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """{(sample name, stage label or ""): value} summed over the other labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("stage", ""))
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def server_summary(before: dict, after: dict) -> dict:
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    stages = sorted({stage for _, stage in delta} - {""}) or [""]
+    out: dict[str, float | None] = {}
+    for stage in stages:
+        for key, family, label in SERVER_MEANS:
+            at = stage if label else ""
+            count = delta.get((family + "_count", at), 0.0)
+            out[f"{key}[{at}]" if at else key] = delta.get((family + "_sum", at), 0.0) / count if count else None
+        for key, name in SERVER_COUNTS:
+            out[f"{key}[{stage}]" if stage else key] = delta.get((name, stage))
+    return out
+
+
 # ---- levels -------------------------------------------------------------------------------
 
 
@@ -181,13 +231,27 @@ async def run_level(url: str, n: int, request, summary) -> dict:
         return summary(results, time.perf_counter() - start)
 
 
-def measure(server: VllmServer, levels: list[int], request, summary, report: dict, key: str, save) -> None:
-    server.wait_ready()
-    asyncio.run(run_level(server.url, 2, request, summary))  # warm: the first requests' one-time costs
-    for n in levels:
-        report[key][str(n)] = stats = asyncio.run(run_level(server.url, n, request, summary))
+def measure(url: str, levels: list[str], request, summary, report: dict, save) -> None:
+    """Each level `N` or `N cfg=X`: N requests at once, and what the server saw meanwhile."""
+    for level in levels:
+        before = scrape(url)
+        stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
+        report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
-        print(key, n, json.dumps({k: v for k, v in stats.items() if k != "error_samples"}), flush=True)
+        print(level, json.dumps({k: v for k, v in report[level].items() if k != "error_samples"}), flush=True)
+
+
+def level_names(levels: list[int], cfgs: list[float | None]) -> dict[str, float | None]:
+    """{"N", or "N cfg=X" when several: the guidance of the level's answers (None: the checkpoint's)}."""
+    if len(cfgs) == 1:
+        return {str(n): cfgs[0] for n in levels}
+    return {f"{n} cfg={c:g}": c for c in cfgs for n in levels}
+
+
+def first_requests(server: VllmServer, request, summary) -> dict:
+    """The first requests after the server is ready (one-time costs show here), two at once."""
+    server.wait_ready()
+    return asyncio.run(run_level(server.url, 2, request, summary))
 
 
 def main() -> None:
@@ -197,8 +261,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", help="default 1 16 64 128 192 256 (--tiny: 1 4)")
     ap.add_argument("--gen-len", type=int, help="audio frames per answer, tokens per completion (default 300; --tiny 60)")
     ap.add_argument("--format", choices=["pcm", "sse"], default="pcm", help="raw PCM stream or SSE events")
-    ap.add_argument("--cfg-scale", type=float, help="every answer's guidance (default: the checkpoint's)")
+    ap.add_argument("--cfg-scale", type=float, nargs="+", help="every answer's guidance (default: the checkpoint's)")
     ap.add_argument("--deploy", help="the shipped deploy YAML (default bagpiper_streaming[_cpu_tiny].yaml)")
+    ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                    help="change one stage setting of the deploy YAML (diagnosis)")
     ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
     ap.add_argument("--workdir", help="checkpoints and server logs (default: a temporary folder)")
     args = ap.parse_args()
@@ -216,7 +282,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
         "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploy_name,
                                   "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S},
-        "speech": {}, "text": {},
+        "first_requests": {}, "speech": {}, "text": {},
     }
 
     def save() -> None:
@@ -224,14 +290,19 @@ def main() -> None:
 
     if "speech" in args.engines:
         model_dir = write_checkpoint(str(work / "ckpt"), args.tiny)
-        deploy = dummy_weights_deploy(deploy_name, work / deploy_name)
+        deploy = dummy_weights_deploy(deploy_name, work / deploy_name, args.set)
         body = {"input": PROMPT, "response_format": "pcm", "min_audio_frames": frames, "max_audio_frames": frames,
                 "max_new_tokens": frames + DELAY_STEPS + 2}
-        body |= {"cfg_scale": args.cfg_scale} if args.cfg_scale is not None else {}
         body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
         with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], work / "speech.log", entrypoint=VLLM_SERVE) as server:
-            measure(server, levels, lambda c, i: listen(c, body | {"seed": i}, args.format == "sse"), speech_summary,
-                    report, "speech", save)
+            scales = level_names(levels, args.cfg_scale or [None])
+
+            def request(level: str):
+                guided = body if scales[level] is None else body | {"cfg_scale": scales[level]}
+                return lambda c, i: listen(c, guided | {"seed": i}, args.format == "sse")
+
+            report["first_requests"]["speech"] = first_requests(server, request(next(iter(scales))), speech_summary)
+            measure(server.url, list(scales), request, speech_summary, report["speech"], save)
     if "text" in args.engines:
         from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
 
@@ -240,7 +311,11 @@ def main() -> None:
         extra = ["--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", str(max(levels))]
         extra += ["--dtype", "float32", "--enforce-eager"] if args.tiny else []
         with VllmServer(text_dir, extra, work / "text.log", entrypoint=OPENAI_SERVER) as server:
-            measure(server, levels, lambda c, i: complete(c, text_dir, frames, i), text_summary, report, "text", save)
+            def request(level: str):
+                return lambda c, i: complete(c, text_dir, frames, i)
+
+            report["first_requests"]["text"] = first_requests(server, request(""), text_summary)
+            measure(server.url, [str(n) for n in levels], request, text_summary, report["text"], save)
     save()
 
 

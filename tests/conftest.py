@@ -226,6 +226,41 @@ def step_graphs_eagerly(on: bool, model) -> int:
     return 0
 
 
+# --- answers with several audio segments ------------------------------------------------------------
+
+# A request whose answer holds two audio segments: audio, <|eot|>, the model's choice (greedy) of
+# audio again, <|eot|>, then text. Found by searching seeds 0..299 of these options (modality audio
+# and text+audio, prompts "Say hello to the world." and "Hi.", system "Be brief.") with the
+# reference for answers whose audio rows form two runs: "Say hello to the world." in audio mode,
+# seeds 89 (runs of 21 and 12 rows) and 230 (26 and 22: 19 and 15 frames).
+TWO_SEGMENTS_PROMPT = ("Say hello to the world.", "Be brief.")
+TWO_SEGMENTS = dict(modality="audio", seed=230, min_audio_frames=8, max_audio_frames=40, max_text_tokens=6,
+                    max_tokens=120)
+
+
+def espnet_segment_audio(tokens, cfg, codec):
+    """The answer's audio as ESPnet's inference makes it (parallel.py `inference`, audio.py
+    `decode_batch`): per audio segment, the rows after its `<|audio|>` modality row up to its end
+    row (eos / eot) or the answer's next row, de-interleaved and decoded on their own; the
+    segments' waveforms back to back. Also returns the segments' frame counts."""
+    import torch
+
+    from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave
+
+    s0 = cfg.streams[0]
+    stream0 = tokens[:, 0].tolist()
+    audio, frames = [], []
+    for start in [i + 1 for i, t in enumerate(stream0) if t == cfg.specials.audio]:
+        end = start
+        while end < len(stream0) and s0.vocab_start <= stream0[end] < s0.vocab_end:
+            end += 1
+        codes = CodebookMap(cfg).to_codes(deinterleave(tokens[start:end]))[:, -cfg.codec.num_quantizers :]
+        with torch.inference_mode():
+            audio.append(codec(codes.T[None])[0].float())
+        frames.append(codes.shape[0])
+    return torch.cat(audio), frames
+
+
 # --- the stage-0 -> stage-1 processor outside an engine -------------------------------------------
 
 
@@ -252,11 +287,12 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
     info = None if first is None else {INITIAL_CHUNK_KEY: first}
-    request = SimpleNamespace(external_req_id=req_id, additional_information=info)
+    request = SimpleNamespace(external_req_id=req_id, additional_information=info, output_token_ids=[])
     gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm)) if gated else None
     sent, calls = [], 0
     for i, row in enumerate(tokens):
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
+        request.output_token_ids.append(int(row[0]))  # vLLM's request holds the step's token by then
         if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
             hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
             if not hand_over:

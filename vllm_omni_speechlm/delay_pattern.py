@@ -84,11 +84,25 @@ def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
     return rows
 
 
-def audio_codes(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:
-    """[L, S] generated stream tokens -> [T, Q] codebook indices of the codec streams, or None
-    (fewer than S audio rows); T = audio rows - (S - 1)."""
-    rows = tokens[audio_rows(tokens, cfg)]
+def segment_codes(rows: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | None:
+    """[n, S] rows of one audio segment (all audio rows) -> [T, Q] codebook indices of its codec
+    streams, or None (fewer than S rows); T = n - (S - 1)."""
     if rows.shape[0] < cfg.num_streams:
         return None
-    aligned = CodebookMap(cfg, tokens.device).to_codes(deinterleave(rows))
+    aligned = CodebookMap(cfg, rows.device).to_codes(deinterleave(rows))
     return aligned[:, -cfg.codec.num_quantizers :]
+
+
+def audio_segments(tokens: torch.Tensor, cfg: SpeechLMConfig) -> list[torch.Tensor]:
+    """[L, S] generated stream tokens -> [T_i, Q] codebook indices of each audio segment, in order.
+
+    A segment is a run of audio rows (`audio_rows`); ESPnet de-interleaves and decodes each one on
+    its own, so frames never span two segments. A run shorter than S rows has no frames (ESPnet
+    fails on it) and is left out."""
+    mask = audio_rows(tokens, cfg).to(torch.int8)
+    edge = mask.new_zeros(1)
+    steps = torch.diff(mask, prepend=edge, append=edge)
+    starts = torch.nonzero(steps == 1).flatten().tolist()
+    ends = torch.nonzero(steps == -1).flatten().tolist()
+    codes = (segment_codes(tokens[a:b], cfg) for a, b in zip(starts, ends))
+    return [c for c in codes if c is not None]

@@ -19,11 +19,15 @@ from tokenizers import Tokenizer
 
 import vllm_omni_speechlm.stage_configs as stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
+<<<<<<< HEAD
 from vllm_omni_speechlm.audio_input import prepare_audio
 from vllm_omni_speechlm.codec import load_codec_decoder
+=======
+from vllm_omni_speechlm.codec import decode_segments, load_codec_decoder
+>>>>>>> main
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
-from vllm_omni_speechlm.delay_pattern import audio_codes
+from vllm_omni_speechlm.delay_pattern import audio_segments
 from vllm_omni_speechlm.deploy_checks import DeployPlan
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -248,10 +252,10 @@ class SpeechLMGenerator:
             return self._result_dict(None, waveform, None, [], [])
         tokens = _stream_tokens(lm, self.cfg.num_streams)
         completion = lm.outputs[0]
-        codes = audio_codes(tokens, self.cfg) if waveform is None else None
-        if codes is not None:
+        if waveform is None:
             with torch.inference_mode():
-                waveform = self.codec(codes.T[None])[0].float()
+                clip = decode_segments(self.codec, audio_segments(tokens, self.cfg))
+            waveform = None if clip is None else clip.float()
         text = decode_text(self.tokenizer, tokens[:, 0].tolist(), self.cfg)
         return self._result_dict(text, waveform, completion.finish_reason, list(completion.token_ids), tokens.tolist())
 

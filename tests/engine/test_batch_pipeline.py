@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, espnet_segment_audio
 from vllm_omni_speechlm import stage_configs
 from vllm_omni_speechlm.stage_input_processors import speech_codec
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -108,6 +109,20 @@ def test_text_only_request_finishes_without_audio(gen, reference):
     [audio_out] = _run(gen, [audio_req])[0]
     ref = reference.generate(audio_req[2], SpeechSamplingParams(**audio_kw))
     torch.testing.assert_close(_audio(audio_out), ref.audio, atol=ATOL, rtol=0)
+
+
+def test_audio_segments_decoded_one_by_one(gen, reference):
+    """An answer with two audio segments: stage 1 gets one window listing the segments' frames and
+    decodes each on its own, as ESPnet does: its audio is ESPnet's per-segment decodings, back to back."""
+    prompt, system = TWO_SEGMENTS_PROMPT
+    ids = gen.encode(prompt, system)
+    engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**TWO_SEGMENTS))
+    engine_prompt["modalities"] = ["audio"]
+    [out] = _run(gen, [(engine_prompt, sampling, ids)])[0]
+    ref = reference.generate(ids, SpeechSamplingParams(**TWO_SEGMENTS))
+    want, frames = espnet_segment_audio(ref.tokens, reference.cfg, reference.codec)
+    assert len(frames) == 2, "the request must give two audio segments (conftest.TWO_SEGMENTS)"
+    torch.testing.assert_close(_audio(out), want, atol=ATOL, rtol=0)
 
 
 # ---- the hand-off alone (no engine) ------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_omni_speechlm import stage_configs
-from conftest import step_graphs_eagerly, worker_sum
+from conftest import TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, espnet_segment_audio, step_graphs_eagerly, worker_sum
 from vllm_omni_speechlm.stage_input_processors import speech_codec
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -118,6 +118,20 @@ def test_guided_request_decodes_only_the_main_clip(gen, reference):
     assert guided["stream_token_ids"] == ref.tokens.tolist()
     torch.testing.assert_close(guided["waveform"], ref.audio, atol=ATOL, rtol=0)
     assert _worker_state(gen) == (0, decoded_before + 1)
+
+
+def test_audio_segments_decoded_one_by_one(gen, reference, tiny_bagpiper):
+    """An answer with two audio segments: the fused clip and the batch mode's are ESPnet's
+    per-segment decodings, back to back."""
+    prompt, system = TWO_SEGMENTS_PROMPT
+    [result] = gen.generate(prompt, system=system, **TWO_SEGMENTS)
+    want, frames = espnet_segment_audio(torch.tensor(result["stream_token_ids"]), gen.cfg, gen.codec)
+    assert len(frames) == 2, "the request must give two audio segments (conftest.TWO_SEGMENTS)"
+    ref = reference.generate(gen.encode(prompt, system), SpeechSamplingParams(**TWO_SEGMENTS))
+    assert result["stream_token_ids"] == ref.tokens.tolist()
+    assert result["waveform"].shape == want.shape == (sum(frames) * HOP,)
+    torch.testing.assert_close(result["waveform"], want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_batch_mode_audio(tiny_bagpiper, result["stream_token_ids"]), want, atol=ATOL, rtol=0)
 
 
 def test_generate_stream_yields_the_whole_clip_once(gen, reference):

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TransferManager, feed_processor, new_shm, shm_names
+from conftest import (TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, TransferManager, espnet_segment_audio, feed_processor, new_shm,
+                      shm_names)
 
 from vllm_omni_speechlm import stage_configs
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -157,6 +158,24 @@ def test_abort_mid_stream_leaves_nothing(gen, reference):
     _assert_matches_reference(gen, reference, chunks, ids, kw)
 
 
+def test_audio_segments_stream_as_espnet_decodes_them(gen, reference):
+    """An answer with two audio segments: each is streamed as a clip of its own (windows restart at
+    the segment's edge, no codec context crosses it), equal to ESPnet's per-segment decoding."""
+    prompt, system = TWO_SEGMENTS_PROMPT
+    ids = gen.encode(prompt, system)
+    engine_prompt, sampling = gen.engine_request(ids, SpeechSamplingParams(**TWO_SEGMENTS))
+    engine_prompt["modalities"] = ["audio"]
+    [chunks] = _stream(gen, [(engine_prompt, sampling, ids)]).values()
+    ref = reference.generate(ids, SpeechSamplingParams(**TWO_SEGMENTS))
+    want, frames = espnet_segment_audio(ref.tokens, reference.cfg, reference.codec)
+    assert len(frames) == 2, "the request must give two audio segments (conftest.TWO_SEGMENTS)"
+    assert frames[0] in torch.tensor([c.numel() // HOP for c in chunks]).cumsum(0).tolist()  # a window ends there
+    streamed = torch.cat(chunks)
+    assert streamed.shape == want.shape == (sum(frames) * HOP,)
+    torch.testing.assert_close(streamed, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ref.audio, want, atol=ATOL, rtol=0)
+
+
 # ---- SpeechLMGenerator on the streaming deployment ----------------------------------------------
 
 
@@ -249,6 +268,27 @@ def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
         assert err < ATOL
     else:
         assert err > 100 * ATOL
+
+
+def test_processor_streams_each_audio_segment_on_its_own(tiny_bagpiper, reference):
+    """The processor alone, called every step or through the gate: the same windows, none across
+    the two segments' edge; decoded, ESPnet's per-segment audio."""
+    from vllm_omni_speechlm.tokenizer import encode_prompt
+
+    prompt, system = TWO_SEGMENTS_PROMPT
+    clip = reference.generate(encode_prompt(reference.tokenizer, reference.cfg, prompt, system=system),
+                              SpeechSamplingParams(**TWO_SEGMENTS))
+    want, frames = espnet_segment_audio(clip.tokens, reference.cfg, reference.codec)
+    plain, _ = feed_processor(TransferManager(tiny_bagpiper), clip.tokens, first=3)
+    gated, calls = feed_processor(TransferManager(tiny_bagpiper), clip.tokens, first=3, gated=True)
+    assert len(frames) == 2 and len(gated) == len(plain)
+    assert calls == len(gated) + 1  # the gate's calls: the windows, and the finish (after text: nothing to send)
+    for a, b in zip(plain, gated):
+        assert torch.equal(a.codes.audio, b.codes.audio)
+        assert (a.meta.left_context_size, a.meta.right_holdback_size) == (b.meta.left_context_size, b.meta.right_holdback_size)
+    new = [p.codes.audio.numel() // 8 - p.meta.left_context_size - p.meta.right_holdback_size for p in plain]
+    assert frames[0] in torch.tensor(new).cumsum(0).tolist()
+    torch.testing.assert_close(_decode(tiny_bagpiper, plain), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("modality", ["audio", "text+audio"])

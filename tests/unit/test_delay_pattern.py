@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_omni_speechlm.config import bagpiper_layout
-from vllm_omni_speechlm.delay_pattern import CodebookMap, deinterleave, interleave, num_complete_frames
+from vllm_omni_speechlm.delay_pattern import CodebookMap, audio_segments, deinterleave, interleave, num_complete_frames
 
 shapes = st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 10))  # batch, T, S
 
@@ -55,3 +55,32 @@ def test_codebook_map_round_trip_and_pad_clamp():
     assert (cmap.to_codes(pads) == 0).all()  # the pad slot decodes as code 0
     with pytest.raises(ValueError, match="codebook"):
         cmap.to_tokens(codes + 1024)
+
+
+def test_audio_segments_are_deinterleaved_one_by_one():
+    """Audio, eot, <|assistant|>, <|audio|>, audio, eot, <|assistant|>, <|audio|>, a run shorter
+    than S, eos: each segment's own frames (ESPnet decodes segments one by one); the short run has
+    none. Frames of one matrix over all audio rows would mix the segments' edges."""
+    cfg = bagpiper_layout()
+    sp, s = cfg.specials, cfg.num_streams
+    cmap = CodebookMap(cfg)
+    first, second = torch.randint(0, 1024, (9, s)), torch.randint(0, 1024, (4, s))
+
+    def segment(codes: torch.Tensor) -> torch.Tensor:
+        rows = interleave(cmap.to_tokens(codes), pad=torch.tensor([st.pad_id for st in cfg.streams]))
+        rows[len(codes) :, 0] = cmap.to_tokens(codes)[0, 0]  # stream 0 past the clip: sampled codes too
+        return rows
+
+    def special(*ids: int) -> torch.Tensor:
+        rows = torch.zeros(len(ids), s, dtype=torch.long)
+        rows[:, 0] = torch.tensor(ids)
+        return rows
+
+    short = segment(torch.randint(0, 1024, (1, s)))[: s - 1]
+    tokens = torch.cat([special(sp.audio), segment(first), special(sp.eot, sp.assistant, sp.audio), segment(second),
+                        special(sp.eot, sp.assistant, sp.audio), short, special(sp.eos)])
+    got = audio_segments(tokens, cfg)
+    assert len(got) == 2
+    assert torch.equal(got[0], first[:, -cfg.codec.num_quantizers :])
+    assert torch.equal(got[1], second[:, -cfg.codec.num_quantizers :])
+    assert audio_segments(special(sp.text, cfg.text_range[0], sp.eos), cfg) == []

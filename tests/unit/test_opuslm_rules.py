@@ -6,7 +6,7 @@ import torch
 
 from vllm_omni_speechlm.config import DecodingSpec, SpeechLMConfig, opuslm_layout
 from vllm_omni_speechlm.decoding import DecodingRules, OutputMode, Phase, RowKind, RowSampling
-from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows, interleave
+from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, interleave
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 CFG = opuslm_layout("opuslm", text_vocab_size=300, min_audio_frames=12)
@@ -157,7 +157,8 @@ def test_audio_rows_of_a_drained_answer_deinterleave_to_t_frames():
     tail[1, 0] = SP.eos  # the all-pad last drain row, then the final eos
     tokens = torch.cat([text, rows, tail])
     assert audio_rows(tokens, CFG).tolist() == [False] * 3 + [True] * (T + S - 1) + [False] * 2
-    assert torch.equal(audio_codes(tokens, CFG), codes[:, 1:])
+    [segment] = audio_segments(tokens, CFG)  # one segment: the drain rows are its own
+    assert torch.equal(segment, codes[:, 1:])
 
 
 def test_bagpiper_keeps_its_behaviour():

@@ -7,7 +7,9 @@ prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_c
 step, windows of equal length together in one batched codec call (unequal lengths are not padded:
 padding frames would change the last real frames' audio, which at a clip's end is kept), and
 returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
-(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`).
+(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`). A
+streamed window lies inside one audio segment; the whole-answer hand-off's single window lists its
+segments' lengths (`meta.segment_frames`), and each segment is decoded on its own.
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -27,12 +29,23 @@ from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 
 
-def _meta_int(info: Any, key: str) -> int:
+def _meta(info: Any, key: str) -> Any:
     meta = info.get("meta", {}) if isinstance(info, dict) else {}
-    value = meta.get(key, 0) if isinstance(meta, dict) else 0
+    return meta.get(key) if isinstance(meta, dict) else None
+
+
+def _meta_int(info: Any, key: str) -> int:
+    value = _meta(info, key)
     if isinstance(value, list):  # scalars may arrive wrapped
-        value = value[0] if value else 0
-    return int(value)
+        value = value[0] if value else None
+    return 0 if value is None else int(value)
+
+
+def _meta_ints(info: Any, key: str) -> list[int]:
+    value = _meta(info, key)
+    if isinstance(value, torch.Tensor):
+        value = value.reshape(-1).tolist()
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else []
 
 
 class SpeechLMCodecDecoder(nn.Module):
@@ -99,27 +112,52 @@ class SpeechLMCodecDecoder(nn.Module):
         return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": audio, "sr": [sr] * len(audio)})
 
     def decode_windows(self, windows: list[torch.Tensor], infos: list[dict]) -> list[torch.Tensor]:
-        """windows[i]: [T_i * Q] frame-major codes -> [(T_i - left_i - holdback_i) * hop] new audio."""
-        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32)] * len(windows)
+        """windows[i]: [T_i * Q] frame-major codes -> [(T_i - left_i - holdback_i) * hop] new audio.
+        A window of several audio segments (`meta.segment_frames`: the whole-answer hand-off) is
+        decoded segment by segment, back to back: codec context never crosses a segment's edge."""
+        pieces = [(i, *piece) for i, (w, info) in enumerate(zip(windows, infos)) for piece in self._segments(w, info)]
+        audio = self._decode_pieces([p[1:] for p in pieces])
+        out: list[list[torch.Tensor]] = [[] for _ in windows]
+        for (i, *_), wav in zip(pieces, audio):
+            out[i].append(wav)
+        return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32) for parts in out]
+
+    def _segments(self, window: torch.Tensor, info: dict) -> list[tuple[torch.Tensor, int, int]]:
+        """(codes [T_j, Q], left context, holdback) per segment of a window; the window's left
+        context belongs to its first segment, its holdback to its last."""
+        codes = window.reshape(-1, self.num_quantizers)
+        if not codes.shape[0]:
+            return []
+        frames = _meta_ints(info, "segment_frames") or [codes.shape[0]]
+        if sum(frames) != codes.shape[0] or min(frames) < 1:
+            raise ValueError(f"codec stage: meta.segment_frames {frames} do not split a window of {codes.shape[0]} frames")
+        parts = codes.split(frames)
+        last = len(parts) - 1
+        left, holdback = _meta_int(info, "left_context_size"), _meta_int(info, "right_holdback_size")
+        return [(c, left if j == 0 else 0, holdback if j == last else 0) for j, c in enumerate(parts)]
+
+    def _decode_pieces(self, pieces: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+        """Decode (codes [T, Q], left, holdback) pieces, equal lengths in one batched call; keep
+        each piece's new audio."""
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32)] * len(pieces)
         by_len: dict[int, list[int]] = {}
-        for i, w in enumerate(windows):
-            if w.numel():
-                by_len.setdefault(w.numel(), []).append(i)
+        for i, (codes, _, _) in enumerate(pieces):
+            by_len.setdefault(codes.shape[0], []).append(i)
         for idx in by_len.values():
-            codes = torch.stack([windows[i] for i in idx]).view(len(idx), -1, self.num_quantizers)  # [B, T, Q]
+            codes = torch.stack([pieces[i][0] for i in idx])  # [B, T, Q]
             # The processor clamps to [0, codebook_size); clamp again so a stray id (a dummy run)
             # cannot index out of the codebooks.
             codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
             wav = self.codec.decode(codes).float()  # [B, ~T * hop]
             for row, i in enumerate(idx):
-                out[i] = self._trim(wav[row], codes.shape[-1], infos[i])
+                out[i] = self._trim(wav[row], codes.shape[-1], *pieces[i][1:])
         return out
 
-    def _trim(self, wav: torch.Tensor, num_frames: int, info: dict) -> torch.Tensor:
+    def _trim(self, wav: torch.Tensor, num_frames: int, left: int, holdback: int) -> torch.Tensor:
         """Keep the new frames: drop left context and right holdback (counted in frames: a
         decoder may return a few samples less than T * hop at the clip's end)."""
-        start = _meta_int(info, "left_context_size") * self.hop
-        end = min(wav.shape[-1], (num_frames - _meta_int(info, "right_holdback_size")) * self.hop)
+        start = left * self.hop
+        end = min(wav.shape[-1], (num_frames - holdback) * self.hop)
         return wav[start:max(start, end)].contiguous()
 
 

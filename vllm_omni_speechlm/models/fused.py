@@ -2,8 +2,8 @@
 
 The published deployment of these models: no codec stage, no connector. The AR worker runs the
 speech LM exactly as `SpeechLMForCausalLM` does and, in the step where a request ends, de-interleaves
-that request's audio rows and decodes them with the checkpoint's codec (`<model_dir>/codec`,
-float32) in the same worker. The clip goes to the client in that step's multimodal output under
+each audio segment of that request's answer and decodes it on its own with the checkpoint's codec
+(`<model_dir>/codec`, float32) in the same worker, the segments' audio back to back. The clip goes to the client in that step's multimodal output under
 `audio` ([T * hop] float32, 16 kHz for X-Codec) with `sr`; `codes.audio` still comes too.
 
 Which requests end in a step is decided on the host from the step's sampled stream-0 tokens
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 
-from vllm_omni_speechlm.codec import load_codec_decoder
+from vllm_omni_speechlm.codec import decode_segments, load_codec_decoder
 from vllm_omni_speechlm.compat import stops_after
-from vllm_omni_speechlm.delay_pattern import audio_codes
+from vllm_omni_speechlm.delay_pattern import audio_segments
 from vllm_omni_speechlm.models.bagpiper import BagpiperForCausalLM
 from vllm_omni_speechlm.models.request_state import to_device
 
@@ -112,9 +112,9 @@ class FusedCodecDecoding:
         for row, length in ending:
             slot = self.steps.rows.entries[row].slot
             tokens = torch.cat([hist[slot, :length, None], table.aux_history[slot, :length]], dim=1).long()
-            codes = audio_codes(tokens, self.speech)  # [T, Q] or None (no audio in this answer)
-            if codes is not None:
-                audio[row] = self.codec(codes.T[None])[0].float().cpu()
+            clip = decode_segments(self.codec, audio_segments(tokens, self.speech))  # None: no audio in this answer
+            if clip is not None:
+                audio[row] = clip.float().cpu()
                 self.num_decoded_clips += 1
         sr = torch.tensor(self.codec.sample_rate, dtype=torch.int32)
         self._step_multimodal["audio"] = audio

@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 
 from vllm_omni_speechlm.audio_input import expand_placeholders, log_mel, prepare_audio
 from vllm_omni_speechlm.cfg import merge_guided
-from vllm_omni_speechlm.codec import load_codec_decoder
+from vllm_omni_speechlm.codec import decode_segments, load_codec_decoder
 from vllm_omni_speechlm.config import AUDIO_ADAPTOR_PREFIX, AUDIO_INPUT_PREFIXES, AUDIO_TOWER_PREFIX, SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, Phase, RowSampling, aux_seed, is_audio_row, seeded_exponential
-from vllm_omni_speechlm.delay_pattern import audio_codes
+from vllm_omni_speechlm.delay_pattern import audio_segments
 from vllm_omni_speechlm.reference.audio_tower import AudioTower
 from vllm_omni_speechlm.reference.backbone import BackboneConfig, DecoderBackbone
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -41,8 +41,8 @@ class ReferenceOutput:
     kinds: torch.Tensor  # [L] RowKind of each step
     finish_reason: str  # "stop" or "length"
     text: str | None
-    codes: torch.Tensor | None  # [T, Q] de-interleaved codebook indices of the codec streams
-    audio: torch.Tensor | None  # [T * hop_length] float waveform at the codec's sample rate
+    codes: torch.Tensor | None  # [T, Q] codebook indices of the codec streams: every audio segment's frames, in order
+    audio: torch.Tensor | None  # [T * hop_length] float waveform: each audio segment decoded on its own, back to back
 
     @property
     def token_ids(self) -> list[int]:
@@ -226,10 +226,6 @@ class ReferenceSpeechLM:
     def finish(self, tokens: torch.Tensor, kinds: torch.Tensor, reason: str) -> ReferenceOutput:
         cfg = self.cfg
         text = decode_text(self.tokenizer, tokens[:, 0].tolist(), cfg)
-        codes = audio_codes(tokens, cfg)
-        audio = self.decode_audio(codes) if codes is not None else None
-        return ReferenceOutput(tokens, kinds, reason, text, codes, audio)
-
-    def decode_audio(self, codes: torch.Tensor) -> torch.Tensor:
-        """[T, Q] -> [T * hop] waveform."""
-        return self.codec(codes.T[None].to(self.device))[0]
+        segments = audio_segments(tokens, cfg)
+        codes = torch.cat(segments) if segments else None
+        return ReferenceOutput(tokens, kinds, reason, text, codes, decode_segments(self.codec, segments))

@@ -7,6 +7,12 @@ and hands them over as one [k, S] payload on the steps where the processor sends
 same rule, `streaming.next_window_end`), and at finish. The processor
 (stage_input_processors/speech_codec.py) receives the same rows in the same order, so the windows
 are unchanged.
+
+Under the parallel rules (Bagpiper) an audio segment may end before the answer does; the gate hands
+over the step that ends one, so the processor flushes it then, and counts the next segment's
+frames from zero. Those rows are told apart by their stream-0 token, read from the request's
+output ids (host ints the scheduler already holds, no tensor work per step). Under the delay rules
+the audio segment is the answer's last: it ends with the answer.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from vllm_omni_speechlm.streaming import first_window, next_window_end
 @dataclass
 class _GateState:
     first_chunk: int
-    emitted: int = 0  # frames sent as new audio (mirrors the processor's count)
-    audio: int = 0  # audio rows among those handed over or classified
+    emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
+    audio: int = 0  # audio rows of the current segment among those handed over or classified
     pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
     unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
 
@@ -40,6 +46,9 @@ class WindowGate:
     def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int]) -> None:
         self.cfg, self.settings = cfg, settings
         self._open: dict[str, _GateState] = {}
+        # Parallel rules: a row is audio iff its stream 0 is a codec code.
+        s0 = cfg.streams[0]
+        self._codes = range(s0.vocab_start, s0.vocab_end) if cfg.decoding.parallel_segments else None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -53,11 +62,16 @@ class WindowGate:
         if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
             multimodal_output = unflatten_payload(multimodal_output)
         rows = frame_rows(multimodal_output, self.cfg.num_streams)
+        ended = False
         if rows is not None:
             state.pending.append(rows)
-            state.unclassified += rows.shape[0]
+            if self._codes is None:
+                state.unclassified += rows.shape[0]
+            else:
+                ended = self._count_segment_rows(state, request.output_token_ids[-rows.shape[0] :])
         if is_finished:
             del self._open[ext_id]
+        if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
         if not self._due(state, state.audio + state.unclassified):  # even if every new row is audio
             return False, None
@@ -70,6 +84,18 @@ class WindowGate:
             return False, None
         state.emitted = end
         return True, self._take(state)
+
+    def _count_segment_rows(self, state: _GateState, stream0: list[int]) -> bool:
+        """Count the new audio rows; whether one of the rows ends the current audio segment (the
+        next one starts with no frames sent)."""
+        ended = False
+        for token in stream0:
+            if token in self._codes:
+                state.audio += 1
+            elif state.audio:
+                state.audio = state.emitted = 0
+                ended = True
+        return ended
 
     def _first_window(self, request: Any) -> int:
         info = deserialize_additional_information(getattr(request, "additional_information", None))

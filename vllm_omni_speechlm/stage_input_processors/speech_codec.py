@@ -5,9 +5,9 @@ stage-0 step that produced a payload, and once more with `is_finished=True`. Eac
 is `{"codes": {"audio": LongTensor[1, S]}}`: the step's unified token ids of all S streams
 (`[0, S]` on partial-prefill steps).
 
-Per request it buffers the audio rows (stream 0 in stream 0's codec slice, the same rule as
-`delay_pattern.audio_codes`, so text rows and the final eos row drop out) and, once enough frames
-are complete (frame t is complete once row t + S - 1 exists), sends stage 1 one window:
+Per request it buffers the audio rows of the current audio segment (`delay_pattern.audio_rows`, so
+text rows and the final eos row drop out) and, once enough frames are complete (frame t is
+complete once row t + S - 1 exists), sends stage 1 one window:
 
     frames [emitted - left, target + holdback)   flattened [T_win * Q] codebook indices
     meta.left_context_size = left                 (<= codec_left_context_frames, 25)
@@ -21,6 +21,11 @@ window. At finish the rest is flushed with no holdback (the clip ends there, as 
 decoding). The first window may be smaller (`initial_codec_chunk_frames`: connector `extra`, or
 per request in the prompt's `additional_information`) for faster first audio; the windows after
 it ramp up to the full size (`next_window_end`).
+
+An answer may hold several audio segments (audio, `<|eot|>`, another segment). ESPnet decodes each
+one on its own, so a segment is streamed as if it were the whole clip: its end (the first row that
+is not audio) flushes its frames with no holdback, and the next segment's windows start over,
+with no left context from the one before.
 
 State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (buffered rows, [S] long
 tensors) and `transfer_manager.request_payload[external_req_id]` (counters). The adapter pops
@@ -37,7 +42,7 @@ import torch
 from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import audio_codes, audio_rows, num_complete_frames
+from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_complete_frames, segment_codes
 from vllm_omni_speechlm.frames import frame_rows
 from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
 
@@ -64,16 +69,31 @@ def chunk_settings(transfer_manager: Any) -> dict[str, int]:
 
 
 def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
-    # emitted: frames already sent as new audio; base: absolute index of the first buffered row.
+    # emitted: frames of the current audio segment already sent as new audio; base: index in the
+    # segment of the first buffered row.
     info = deserialize_additional_information(getattr(request, "additional_information", None))
     return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings)}
 
 
-def _append_audio_rows(rows: list[torch.Tensor], multimodal_output: Any, cfg: SpeechLMConfig) -> None:
-    """Buffer the payload's audio rows (host tensors: no device sync)."""
+def _buffer_segment_rows(rows: list[torch.Tensor], state: dict[str, int], multimodal_output: Any,
+                         cfg: SpeechLMConfig) -> bool:
+    """Buffer the payload's audio rows (host tensors: no device sync); whether the payload ends
+    the current audio segment (a row that is not audio after its audio rows). The window gate
+    hands over each segment's end, so no audio row may follow it in the same payload."""
     step = frame_rows(multimodal_output, cfg.num_streams)
-    if step is not None:
-        rows.extend(step[audio_rows(step, cfg)].unbind(0))
+    if step is None:
+        return False
+    audio = audio_rows(step, cfg)
+    seen = torch.cumsum(audio, 0) + (state["base"] + len(rows))  # segment rows up to each row
+    ends = ~audio & (seen > 0)
+    if not bool(ends.any()):
+        rows.extend(step[audio].unbind(0))
+        return False
+    end = int(torch.nonzero(ends)[0])
+    if bool(audio[end:].any()):
+        raise RuntimeError("speech_codec: audio rows after an audio segment's end in one payload")
+    rows.extend(step[:end][audio[:end]].unbind(0))
+    return True
 
 
 def speechlm2codec_async_chunk(
@@ -83,8 +103,6 @@ def speechlm2codec_async_chunk(
     is_finished: bool = False,
 ) -> Any:
     """Return the next window for stage 1 (an OmniPayloadStruct) or None (nothing to send yet)."""
-    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
-
     ext_id = request.external_req_id
     cfg = _layout(_model_dir(transfer_manager))
     settings = chunk_settings(transfer_manager)
@@ -92,19 +110,29 @@ def speechlm2codec_async_chunk(
     state = transfer_manager.request_payload.get(ext_id)
     if state is None:
         state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
-    _append_audio_rows(rows, multimodal_output, cfg)
+    ended = _buffer_segment_rows(rows, state, multimodal_output, cfg)
+    window = _next_window(rows, state, settings, cfg, is_finished or ended)
+    if ended:  # the next segment's frames start over: no codec context crosses the edge
+        rows.clear()
+        state["emitted"] = state["base"] = 0
+    return window
+
+
+def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
+                 flush: bool) -> Any:
+    """The window due now of the current segment (all of its unsent frames when `flush`), or None."""
+    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
 
     emitted = state["emitted"]
     total = num_complete_frames(state["base"] + len(rows), cfg.num_streams)
-    target = next_window_end(total, emitted, state["first_chunk"], settings, is_finished)
+    target = next_window_end(total, emitted, state["first_chunk"], settings, flush)
     if target is None:
         return None  # on the final call the adapter sends the terminal marker itself
-
-    holdback = 0 if is_finished else settings["codec_right_holdback_frames"]
+    holdback = 0 if flush else settings["codec_right_holdback_frames"]
     left = min(settings["codec_left_context_frames"], emitted)
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
-    # The window's rows are all audio rows, >= S of them: [left + new + holdback, Q].
-    codes = audio_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
+    # The window's rows are all audio rows of one segment, >= S of them: [left + new + holdback, Q].
+    codes = segment_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
     state["emitted"] = target
     _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
     return OmniPayloadStruct(
@@ -126,8 +154,8 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
 # vllm-omni's orchestrator calls this (stage 1's `sync_process_input_func`) once stage 0 has
 # finished a request, with that request's output: `codes.audio` then holds every step's [1, S] row,
 # concatenated to [L, S] (the key's CONCAT_DIM0 strategy). The clip goes to stage 1 as a single
-# window with no left context and no holdback, so stage 1 decodes it whole and keeps all of it:
-# the same audio as the reference's whole-clip decoding, delivered once at the end.
+# window with no left context and no holdback, listing its audio segments' lengths; stage 1 decodes
+# each segment whole and keeps all of it: the reference's decoding, delivered once at the end.
 
 
 def _finished_stream_tokens(source_output: Any) -> torch.Tensor | None:
@@ -151,7 +179,8 @@ def speechlm2codec(
     target_model_config: Any = None,
 ) -> list[Any]:
     """Finished stage-0 outputs -> one stage-1 prompt per clip: flattened [T * Q] codebook indices
-    (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0.
+    (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0
+    and segment_frames (the frames of each audio segment, which stage 1 decodes on its own).
 
     A request that produced no audio (a text-only answer, or fewer than S audio rows) yields no
     prompt: the orchestrator then finishes it from the final stage with empty audio, instead of
@@ -168,13 +197,14 @@ def speechlm2codec(
         if not getattr(source_output, "finished", True):
             continue  # batch mode decodes finished clips only
         tokens = _finished_stream_tokens(source_output)  # [L, S]
-        codes = None if tokens is None else audio_codes(tokens.reshape(-1, cfg.num_streams), cfg)  # [T, Q]
-        if codes is None:
+        segments = [] if tokens is None else audio_segments(tokens.reshape(-1, cfg.num_streams), cfg)  # [T_i, Q]
+        if not segments:
             continue
+        meta = {"left_context_size": 0, "right_holdback_size": 0, "segment_frames": [c.shape[0] for c in segments]}
         prompts.append(
             OmniTokensPrompt(
-                prompt_token_ids=codes.reshape(-1).tolist(),  # [T * Q], frame-major
-                additional_information={"meta": {"left_context_size": 0, "right_holdback_size": 0}},
+                prompt_token_ids=torch.cat(segments).reshape(-1).tolist(),  # [T * Q], frame-major
+                additional_information={"meta": meta},
             )
         )
     return prompts
