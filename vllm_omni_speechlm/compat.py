@@ -164,7 +164,7 @@ HOOKS = (
          "self, model, stage_init_timeout=300, init_timeout=600, single_stage_mode=False, transfer_emitter=None, "
          "prom_metrics=None, log_stats=False, tokenizer=None, trust_remote_code=None, client_config=None, **kwargs"),
     # API server (serving/)
-    Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # replaced routes: dispatch_route
+    Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # dispatch_route, add_post_route
     Hook("vllm_omni.entrypoints.openai.api_server", "args", "attribute"),  # app.state.args: served_deploy_config
     Hook("vllm_omni.entrypoints.openai.audio_utils_mixin:AudioMixin", "_resample_audio", "override",
          "audio_tensor, source_rate, target_rate"),  # whole_answers_resampled_as_streams
@@ -320,6 +320,19 @@ def dispatch_route(path: str, serves: Callable[[Any], bool], handler: Callable[[
     endpoint._speechlm_dispatch = True  # type: ignore[attr-defined]
     del routes[index]
     api_server.router.add_api_route(path, endpoint, methods=["POST"], dependencies=stock.dependencies, responses=stock.responses)
+
+
+def add_post_route(path: str, endpoint: Callable[..., Any]) -> None:
+    """Add POST `path` to vllm-omni's router (before its app is built) under vLLM's request
+    decorators, unless it has one. vLLM's own route of that path, where a model has one, is on the
+    app ahead of vllm-omni's router and keeps answering. Idempotent."""
+    from fastapi.routing import APIRoute
+    from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
+    from vllm_omni.entrypoints.openai import api_server
+
+    if any(isinstance(r, APIRoute) and r.path == path and "POST" in r.methods for r in api_server.router.routes):
+        return
+    api_server.router.add_api_route(path, with_cancellation(load_aware_call(endpoint)), methods=["POST"])
 
 
 def _resample_as_stream(audio_tensor: Any, source_rate: int, target_rate: int) -> Any:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import wave
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,8 @@ import numpy as np
 import pytest
 
 from conftest import new_shm, shm_names, start_speechlm_server
+from devtools import audio_clips
+from devtools.audio_clips import as_float
 from devtools.launch import free_port
 from vllm_omni_speechlm.audio import to_pcm16
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -342,6 +345,115 @@ def test_chat_text_only(server, reference):
     top = _chat(server, seed=2, max_tokens=20, text_temperature=0.7)
     nested = _chat(server, seed=2, max_tokens=20, extra_params={"text_temperature": 0.7})
     assert top["message"]["content"] == nested["message"]["content"] == ref.text
+
+
+# ---- audio in: chat input_audio / audio_url, /v1/audio/transcriptions ----------------------------
+
+
+def _audio_file(seconds: float, rate: int = 16000, channels: int = 1, fmt: str = "WAV") -> tuple[bytes, np.ndarray]:
+    """(the encoded file, its samples as the server decodes them: float32, channels averaged)."""
+    import soundfile
+
+    samples = as_float(audio_clips.clip(seconds, rate=rate))
+    data = np.stack([samples] * channels, axis=1) if channels > 1 else samples
+    buf = io.BytesIO()
+    soundfile.write(buf, data, rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue(), samples
+
+
+def _audio_part(data: bytes, fmt: str = "wav", url: bool = False) -> dict:
+    b64 = base64.b64encode(data).decode()
+    if url:
+        return {"type": "audio_url", "audio_url": {"url": f"data:audio/{fmt};base64,{b64}"}}
+    return {"type": "input_audio", "input_audio": {"data": b64, "format": fmt}}
+
+
+def _audio_chat(server, parts: list, **body) -> dict:
+    resp = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": parts}]} | body)
+    assert resp.status_code == 200, resp.text[:500]
+    return resp.json()["choices"][0]["message"]
+
+
+def _reference_heard(reference, question: str | None, clip: tuple, **kw):
+    ids = encode_prompt(reference.tokenizer, reference.cfg, question, text_only=kw.get("modality") == "text", audio=1)
+    return reference.generate(ids, SpeechSamplingParams(**kw), audio=[clip])
+
+
+def test_chat_hears_audio(server, reference):
+    """An audio question answered in text (16 kHz WAV, and a 24 kHz stereo FLAC as a data URL),
+    and speech in / speech out with the checkpoint's guidance: each equals the reference."""
+    wav, samples = _audio_file(1.0)
+    got = _audio_chat(server, [_audio_part(wav), {"type": "text", "text": "What is this?"}], seed=4, max_tokens=12, temperature=0.7)
+    ref = _reference_heard(reference, "What is this?", (samples, 16000), modality="text", text_temperature=0.7, seed=4, max_tokens=12)
+    assert got["content"] == ref.text
+    got = _audio_chat(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=60, min_audio_frames=30)
+    ref = _reference_heard(reference, None, (samples, 16000), modality="audio", seed=1, max_tokens=60, min_audio_frames=30)
+    with wave.open(io.BytesIO(base64.b64decode(got["audio"]["data"]))) as w:
+        _assert_pcm_equal(w.readframes(w.getnframes()), _pcm16(ref.audio))
+    flac, stereo_mix = _audio_file(0.8, rate=24000, channels=2, fmt="FLAC")
+    got = _audio_chat(server, [_audio_part(flac, "flac", url=True)], seed=6, max_tokens=12)
+    ref = _reference_heard(reference, None, (stereo_mix, 24000), modality="text", seed=6, max_tokens=12)
+    assert got["content"] == ref.text
+
+
+def test_transcriptions(client, reference):
+    """OpenAI SDK transcriptions (json, text, streamed) equal the reference's greedy ASR decoding."""
+    wav, samples = _audio_file(1.2)
+    model = client.models.list().data[0].id
+    ref = _reference_heard(reference, None, (samples, 16000), modality="text", text_temperature=0.0, max_tokens=10)
+    kw = dict(model=model, file=("clip.wav", wav), extra_body={"max_completion_tokens": 10})
+    assert client.audio.transcriptions.create(**kw).text == ref.text
+    assert client.audio.transcriptions.create(response_format="text", **kw) == ref.text
+    events = list(client.audio.transcriptions.create(stream=True, **kw))
+    assert "".join(e.delta for e in events[:-1]) == events[-1].text == ref.text
+    assert {e.type for e in events[:-1]} == {"transcript.text.delta"} and events[-1].type == "transcript.text.done"
+
+
+def test_concurrent_audio_requests_equal_solo_runs(server):
+    wav, _ = _audio_file(0.6)
+    bodies = [dict(seed=i, max_tokens=10, temperature=0.8) for i in range(8)]
+    solo = [_audio_chat(server, [_audio_part(wav)], **b)["content"] for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: _audio_chat(server, [_audio_part(wav)], **b)["content"], bodies))
+    assert together == solo and len(set(solo)) > 1
+
+
+def _bad_audio_corpus() -> list:
+    wav, _ = _audio_file(0.5)
+    too_long, _ = _audio_file(301.0, rate=8000)
+    part = "messages[0].content[0]"
+    return [
+        (_audio_part(b"not audio at all" * 8), f"{part}.input_audio.data"),
+        (_audio_part(b""), f"{part}.input_audio.data"),
+        (_audio_part(wav[:40]), f"{part}.input_audio.data"),  # a header cut short
+        ({"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}, f"{part}.input_audio.data"),
+        (_audio_part(wav, "aiff"), f"{part}.input_audio.format"),
+        ({"type": "audio_url", "audio_url": {"url": "http://example.com/a.wav"}}, f"{part}.audio_url.url"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, part),
+        (_audio_part(too_long), f"{part}.input_audio.data"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_bad_audio_in_chat(server, index):
+    part, field = _bad_audio_corpus()[index]
+    resp = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}]})
+    assert resp.status_code == 400, (resp.status_code, resp.text[:300])
+    assert resp.json()["error"]["message"].startswith(field + ":"), resp.text[:300]
+
+
+@pytest.mark.parametrize("form, file, field", [
+    ({"language": "en"}, "wav", "language"),
+    ({"response_format": "srt"}, "wav", "response_format"),
+    ({"top_p": "0.5"}, "wav", "top_p"),
+    ({}, "corrupt", "file"),
+    ({"prompt": "   "}, "wav", "prompt"),
+])
+def test_bad_transcription_request(server, form, file, field):
+    data = _audio_file(0.5)[0] if file == "wav" else b"RIFF\x00\x00garbage"
+    resp = httpx.post(server.url + "/v1/audio/transcriptions", data=form, files={"file": ("a.wav", data)}, timeout=120)
+    assert resp.status_code == 400, (resp.status_code, resp.text[:300])
+    assert resp.json()["error"]["message"].startswith(field + ":"), resp.text[:300]
 
 
 # ---- load, disconnects, leaks -------------------------------------------------------------------

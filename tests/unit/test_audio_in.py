@@ -53,17 +53,20 @@ def test_bad_files_name_the_field(data, message):
         decode_audio(data, "file", max_seconds=30)
 
 
-def test_too_long_names_the_limit():
+def test_too_long_or_too_short_names_the_limit():
     with pytest.raises(ValueError, match=r"^file: 1\.0 s of audio; this model takes at most 0\.5 s"):
         decode_audio(_encoded("WAV"), "file", max_seconds=0.5)
+    with pytest.raises(ValueError, match=r"^file: 1000\.0 ms of audio; this model needs at least 2000\.0 ms"):
+        decode_audio(_encoded("WAV"), "file", max_seconds=5, min_seconds=2)
 
 
 def test_parts_carry_base64_files():
     wav = _encoded("WAV")
     b64 = base64.b64encode(wav).decode()
-    assert part_audio_bytes({"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}, "p") == wav
+    part = {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}
+    assert part_audio_bytes(part, "p") == (wav, "p.input_audio.data")
     url = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}}
-    assert part_audio_bytes(url, "p") == wav
+    assert part_audio_bytes(url, "p") == (wav, "p.audio_url.url")
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,10 @@ INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "webm")
 _DATA_URL = re.compile(r"data:audio/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
 
 
-def decode_audio(data: bytes, field: str, max_seconds: float) -> tuple[np.ndarray, int]:
+def decode_audio(data: bytes, field: str, max_seconds: float, min_seconds: float = 0.0) -> tuple[np.ndarray, int]:
     """(mono float32 waveform, its sample rate) of an encoded file; ValueError naming `field`
-    when it is empty, not audio, corrupt, without finite samples or longer than `max_seconds`."""
+    when it is empty, not audio, corrupt, without finite samples, or shorter than `min_seconds` or
+    longer than `max_seconds`."""
     from vllm.multimodal.media.audio import AudioMediaIO
 
     if not data:
@@ -33,6 +34,8 @@ def decode_audio(data: bytes, field: str, max_seconds: float) -> tuple[np.ndarra
     seconds = waveform.size / rate
     if seconds > max_seconds:
         raise ValueError(f"{field}: {seconds:.1f} s of audio; this model takes at most {max_seconds:g} s")
+    if seconds < min_seconds:
+        raise ValueError(f"{field}: {seconds * 1000:.1f} ms of audio; this model needs at least {min_seconds * 1000:.1f} ms")
     return waveform, int(rate)
 
 
@@ -45,8 +48,9 @@ def _base64(text: object, field: str) -> bytes:
         raise ValueError(f"{field}: not valid base64 ({e})") from e
 
 
-def part_audio_bytes(part: dict, field: str) -> bytes:
-    """The encoded file of an `input_audio` or `audio_url` content part at `field`."""
+def part_audio_bytes(part: dict, field: str) -> tuple[bytes, str]:
+    """(the encoded file, the field that holds it) of an `input_audio` or `audio_url` content
+    part at `field`."""
     if part.get("type") == "input_audio":
         spec = part.get("input_audio")
         if not isinstance(spec, dict):
@@ -54,10 +58,10 @@ def part_audio_bytes(part: dict, field: str) -> bytes:
         fmt = spec.get("format")
         if fmt not in INPUT_AUDIO_FORMATS:
             raise ValueError(f"{field}.input_audio.format: expected one of {', '.join(INPUT_AUDIO_FORMATS)}, got {fmt!r}")
-        return _base64(spec.get("data"), f"{field}.input_audio.data")
+        return _base64(spec.get("data"), f"{field}.input_audio.data"), f"{field}.input_audio.data"
     spec = part.get("audio_url")
     url = spec.get("url") if isinstance(spec, dict) else None
     match = _DATA_URL.fullmatch(url) if isinstance(url, str) else None
     if match is None:
         raise ValueError(f"{field}.audio_url.url: expected a data URL (data:audio/...;base64,...); remote URLs are not fetched")
-    return _base64(match["data"], f"{field}.audio_url.url")
+    return _base64(match["data"], f"{field}.audio_url.url"), f"{field}.audio_url.url"

@@ -10,7 +10,9 @@ vllm-omni's handler unchanged.
     modalities   ["text"] (default): a text answer; ["text", "audio"]: a text answer and its
                  audio (message.audio.data: base64 16 kHz WAV, transcript = the text);
                  ["audio"]: audio only
-    messages     an optional system message, then one user message (string or text parts)
+    messages     an optional system message, then one user message: a string, or content parts
+                 (text; audio as `input_audio` {data: base64, format} or an `audio_url` data URL,
+                 heard before the message's text, the order the model was trained on)
     temperature, top_k      the text part's sampling (or text_temperature / text_top_k)
     max_tokens / max_completion_tokens, seed, and the model options (options.MODEL_OPTIONS)
 
@@ -33,6 +35,7 @@ from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_par
 from vllm_omni_speechlm.pipeline import CODEC_STAGE
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
+from vllm_omni_speechlm.serving.audio_in import decode_audio, part_audio_bytes
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -48,28 +51,53 @@ class BadRequest(ValueError):
     pass
 
 
-def _message_text(message: Any, index: int) -> str:
+AUDIO_PARTS = ("input_audio", "audio_url")
+
+
+def _message_content(message: Any, index: int, model: ServedModel) -> tuple[str, list[tuple]]:
+    """A message's text and its audio clips ((waveform, rate) pairs, in order)."""
     content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):  # OpenAI content parts: text only
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"messages[{index}].content: only text parts are supported, got {kind!r}")
-            parts.append(part["text"])
-        content = "".join(parts)
-    return options.text_input(content, f"messages[{index}].content")
+    field = f"messages[{index}].content"
+    if not isinstance(content, list):
+        return options.text_input(content, field), []
+    texts, clips = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in AUDIO_PARTS:
+            clips.append(audio_clip(*part_audio_bytes(part, f"{field}[{j}]"), model))
+        else:
+            raise BadRequest(f"{field}[{j}]: expected a text, input_audio or audio_url part, got {kind!r}")
+    text = "".join(texts)
+    return (options.text_input(text, field) if text or not clips else ""), clips
 
 
-def _system_and_user(messages: Any) -> tuple[str | None, str]:
-    """One optional system message, then one user message (no multi-turn history yet)."""
+def audio_clip(data: bytes, field: str, model: ServedModel) -> tuple:
+    """An encoded file at `field` -> (waveform, rate), within the lengths the model hears."""
+    spec = model.cfg.audio_input
+    if spec is None:
+        raise BadRequest(f"{field}: this model takes no audio input")
+    # One sample of margin on the shortest: vLLM's resampler may round the length down.
+    shortest, longest = (spec.min_samples + 1) / spec.sample_rate, spec.max_samples / spec.sample_rate
+    return decode_audio(data, field, longest, shortest)
+
+
+def _system_and_user(messages: Any, model: ServedModel) -> tuple[str | None, str, list[tuple]]:
+    """One optional system message (text), then one user message (text and audio); no
+    multi-turn history yet."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: expected a non-empty list")
     roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
     if roles not in (["user"], ["system", "user"]):
         raise BadRequest(f"messages: expected [system,] user; got roles {roles} (multi-turn history is not supported)")
-    system = _message_text(messages[0], 0) if len(messages) == 2 else None
-    return system, _message_text(messages[-1], len(messages) - 1)
+    system = None
+    if len(messages) == 2:
+        system, clips = _message_content(messages[0], 0, model)
+        if clips:
+            raise BadRequest("messages[0].content: a system message carries text only")
+    user, clips = _message_content(messages[-1], len(messages) - 1, model)
+    return system, user, clips
 
 
 def _modality(request: Any) -> str:
@@ -123,21 +151,24 @@ def _model_options(request: Any) -> dict[str, Any]:
     return opts
 
 
-def build_request(request: Any, model: ServedModel) -> tuple[dict, Any, str]:
-    """(engine prompt, stage-0 SamplingParams, modality) of a chat request; BadRequest on bad input."""
+def build_request(request: Any, model: ServedModel, messages: Any) -> tuple[dict, Any, str]:
+    """(engine prompt, stage-0 SamplingParams, modality) of a chat request; BadRequest on bad input.
+    `messages`: as the client sent them (the schema's typed parts turn a bad audio part into an
+    error about the whole content)."""
     _check_fields(request)
     _check_audio_param(request)
     modality = _modality(request)
-    system, user = _system_and_user(request.messages)
+    system, user, clips = _system_and_user(messages, model)
     if request.seed is not None and request.seed < 0:
         raise BadRequest(f"seed: must be a non-negative integer, got {request.seed}")
     params = options.sampling_params(modality, _model_options(request), seed=request.seed)
-    ids = encode_prompt(model.tokenizer, model.cfg, user, system=system, text_only=params.modality == OutputMode.TEXT)
+    ids = encode_prompt(model.tokenizer, model.cfg, user, system=system, text_only=params.modality == OutputMode.TEXT,
+                        audio=len(clips))
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     limit = options.max_tokens(requested, model.token_budget(len(ids)), field)
     params = dataclasses.replace(params, max_tokens=limit).resolve(model.cfg)
-    return engine_prompt(ids, params), stage0_sampling_params(model.cfg, params), modality
+    return engine_prompt(ids, params, audio=clips), stage0_sampling_params(model.cfg, params), modality
 
 
 def _audio_chunks(output: Any) -> list[torch.Tensor]:
@@ -148,8 +179,9 @@ def _audio_chunks(output: Any) -> list[torch.Tensor]:
     return [c.reshape(-1).float().cpu() for c in chunks if isinstance(c, torch.Tensor) and c.numel() > 0]
 
 
-async def _generate(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str) -> tuple:
-    """Run one request; (stream-0 token ids, finish reason, audio waveform or None)."""
+async def engine_outputs(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str):
+    """One request's outputs: stage 0's (cumulative stream-0 tokens) and, for audio, the codec
+    stage's (final_output_type "audio", new audio each)."""
     from vllm_omni.entrypoints.utils import coerce_param_message_types
 
     from vllm.sampling_params import RequestOutputKind
@@ -158,19 +190,26 @@ async def _generate(engine_client: Any, prompt: dict, stage0: Any, modality: str
     params = coerce_param_message_types([stage0, *defaults[1:]], is_streaming=False)
     if len(params) > 1:  # the codec stage streams windows; keep them all (each is new audio)
         params[1].output_kind = RequestOutputKind.DELTA
-    wants_audio = modality != "text"
+    modalities = ["text"] if modality == "text" else ["text", "audio"]
+    async for out in engine_client.generate(prompt=prompt, request_id=request_id, sampling_params_list=params,
+                                            output_modalities=modalities):
+        yield out
+
+
+def is_audio_output(out: Any) -> bool:
+    return getattr(out, "final_output_type", None) == "audio"
+
+
+async def _generate(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str) -> tuple:
+    """Run one request; (stream-0 token ids, finish reason, audio waveform or None)."""
     tokens, finish, audio = [], None, []
-    async for out in engine_client.generate(
-        prompt=prompt,
-        request_id=request_id,
-        sampling_params_list=params,
-        output_modalities=["text", "audio"] if wants_audio else ["text"],
-    ):
-        if getattr(out, "final_output_type", None) == "audio":
+    async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id):
+        if is_audio_output(out):
             audio.extend(_audio_chunks(out))
         elif out.outputs:
             tokens = list(out.outputs[0].token_ids)
             finish = out.outputs[0].finish_reason or finish
+    wants_audio = modality != "text"
     waveform = torch.cat(audio) if audio else (torch.zeros(0) if wants_audio else None)
     return tokens, finish, waveform
 
@@ -203,7 +242,7 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any, stock:
     engine_client = raw_request.app.state.engine_client
     model = served_model(engine_client)
     try:
-        prompt, stage0, modality = build_request(request, model)
+        prompt, stage0, modality = build_request(request, model, (await raw_request.json()).get("messages"))
         if modality != "text" and CODEC_STAGE not in stage_names(engine_client):
             raise BadRequest("modalities: audio needs a deployment with the codec stage (e.g. bagpiper_streaming.yaml)")
     except ValueError as e:
