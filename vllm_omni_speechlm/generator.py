@@ -90,6 +90,8 @@ class SpeechLMGenerator:
 
         self.model_dir = str(model_dir)
         self.cfg = SpeechLMConfig.from_model_dir(self.model_dir)
+        # `limit_mm_per_prompt={"audio": 0}`: vLLM's text-only mode (no tower built)
+        self.takes_audio = self.cfg.audio_input is not None and (engine_kwargs.get("limit_mm_per_prompt") or {}).get("audio") != 0
         self.tokenizer = Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
         self.codec = load_codec_decoder(self.cfg.codec, self.model_dir)
         deploy = deploy_config or stage_configs.path(stage_configs.LM_ONLY[self.cfg.family])
@@ -130,8 +132,8 @@ class SpeechLMGenerator:
         rate) pair) -> 16 kHz mono float32 waveforms, checked (ValueError naming audio)."""
         if clips is None:
             return []
-        if self.cfg.audio_input is None:
-            raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+        if not self.takes_audio:
+            raise ValueError("audio: this engine takes no audio input (no audio_input section, or limit_mm_per_prompt audio 0)")
         if not isinstance(clips, list):
             clips = [clips]
         return [prepare_audio(clip, self.cfg.audio_input) for clip in clips]
