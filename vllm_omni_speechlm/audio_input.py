@@ -90,7 +90,8 @@ def resample(wav: np.ndarray, rate: int, target: int) -> np.ndarray:
 def check_length(num_samples: int, spec: AudioInputSpec) -> None:
     seconds = num_samples / spec.sample_rate
     if num_samples < spec.min_samples:
-        raise _fail(f"{seconds:.4f} s is too short: the model needs at least {spec.min_samples} samples at {spec.sample_rate} Hz")
+        need = f"at least {spec.min_samples} samples at {spec.sample_rate} Hz"
+        raise _fail(f"{seconds:.4f} s is too short: the model needs {need}")
     if num_samples > spec.max_samples:
         limit = spec.max_samples / spec.sample_rate
         raise _fail(f"{seconds:.1f} s is longer than the model accepts ({limit:g} s)")
@@ -126,7 +127,9 @@ def log_mel(wav: np.ndarray, spec: AudioInputSpec) -> torch.Tensor:
     return torch.from_numpy(out["input_features"][0, :, : spec.num_frames(wav.shape[0])].copy())
 
 
-def expand_placeholders(prompt_ids: Sequence[int], lengths: Sequence[int], placeholder: int) -> tuple[list[int], list[int]]:
+def expand_placeholders(
+    prompt_ids: Sequence[int], lengths: Sequence[int], placeholder: int
+) -> tuple[list[int], list[int]]:
     """A prompt with one placeholder per clip -> (the prompt with clip i's placeholder repeated
     lengths[i] times, the positions of those rows in order): what vLLM's processor does."""
     count = sum(1 for t in prompt_ids if t == placeholder)

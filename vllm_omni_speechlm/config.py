@@ -153,7 +153,8 @@ class AudioTowerSpec:
             if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise _fail(f"audio_input.tower.{f.name}", f"must be a positive integer, got {v!r}")
         if self.d_model % self.encoder_attention_heads:
-            raise _fail("audio_input.tower.encoder_attention_heads", f"{self.encoder_attention_heads} does not divide d_model {self.d_model}")
+            heads = self.encoder_attention_heads
+            raise _fail("audio_input.tower.encoder_attention_heads", f"{heads} does not divide d_model {self.d_model}")
         if self.n_window_infer % self.chunk_frames:
             raise _fail("audio_input.tower.n_window_infer", f"must be a multiple of 2 * n_window = {self.chunk_frames}")
 

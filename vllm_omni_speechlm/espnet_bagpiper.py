@@ -130,7 +130,8 @@ def lm_weights(state: dict[str, torch.Tensor], layout: SpeechLMConfig, geo: Geom
         if name is None:
             continue
         if name.startswith(("model.", "lm_head.", "stream_embeddings.")):
-            _check_shape(key, tensor, expected.get(name), f"not a Qwen3 tensor of {geo.num_hidden_layers} layers", "the geometry")
+            unknown = f"not a Qwen3 tensor of {geo.num_hidden_layers} layers"
+            _check_shape(key, tensor, expected.get(name), unknown, "the geometry")
         elif name.startswith(AUDIO_TOWER_PREFIX):
             _check_shape(key, tensor, tower.get(name), "not a tensor of the audio tower config", "the audio tower config")
         out[name] = tensor

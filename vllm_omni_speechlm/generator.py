@@ -94,6 +94,9 @@ class SpeechLMGenerator:
 
         self.model_dir = str(model_dir)
         self.cfg = SpeechLMConfig.from_model_dir(self.model_dir)
+        # `limit_mm_per_prompt={"audio": 0}`: vLLM's text-only mode (no tower built)
+        audio_limit = (engine_kwargs.get("limit_mm_per_prompt") or {}).get("audio")
+        self.takes_audio = self.cfg.audio_input is not None and audio_limit != 0
         self.tokenizer = Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
         self.codec = load_codec_decoder(self.cfg.codec, self.model_dir)
         deploy = deploy_config or stage_configs.path(stage_configs.LM_ONLY[self.cfg.family])
@@ -123,7 +126,9 @@ class SpeechLMGenerator:
         text_only = params is not None and params.modality == OutputMode.TEXT
         return encode_prompt(self.tokenizer, self.cfg, prompt, system=system, text_only=text_only, audio=audio)
 
-    def engine_request(self, prompt_ids: list[int], params: SpeechSamplingParams, audio: list | None = None) -> tuple[dict, Any]:
+    def engine_request(
+        self, prompt_ids: list[int], params: SpeechSamplingParams, audio: list | None = None
+    ) -> tuple[dict, Any]:
         """(prompt dict, vLLM SamplingParams) of one request (see `engine_request.py`); `audio`:
         the prompt's clips as `prepare_clips` returns them."""
         p = params.resolve(self.cfg)
@@ -134,8 +139,9 @@ class SpeechLMGenerator:
         rate) pair) -> 16 kHz mono float32 waveforms, checked (ValueError naming audio)."""
         if clips is None:
             return []
-        if self.cfg.audio_input is None:
-            raise ValueError("audio: this checkpoint takes no audio input (no audio_input section)")
+        if not self.takes_audio:
+            raise ValueError("audio: this engine takes no audio input (no audio_input section, or "
+                             "limit_mm_per_prompt audio 0)")
         if not isinstance(clips, list):
             clips = [clips]
         return [prepare_audio(clip, self.cfg.audio_input) for clip in clips]
@@ -169,7 +175,9 @@ class SpeechLMGenerator:
             raise ValueError("prompts: expected a non-empty string or list of strings")
         clips = self._clips_per_prompt(audio, len(prompts), single)
         params = self._params(text_only, modality, sampling)
-        requests = [self.engine_request(self.encode(p, system, params, len(c)), params, c) for p, c in zip(prompts, clips)]
+        requests = [
+            self.engine_request(self.encode(p, system, params, len(c)), params, c) for p, c in zip(prompts, clips)
+        ]
         # One SamplingParams per stage for the whole call (Omni takes one per stage).
         stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
         by_request: dict[str, list[Any]] = {}  # two-stage: stage 0's text and stage 1's audio
@@ -199,7 +207,9 @@ class SpeechLMGenerator:
         clips = self.prepare_clips(audio)
         request = self.engine_request(self.encode(prompt, system, params, len(clips)), params, clips)
         if not self.plan.two_stage:
-            [result] = self.generate(prompt, system=system, text_only=text_only, modality=modality, audio=audio, **sampling)
+            [result] = self.generate(
+                prompt, system=system, text_only=text_only, modality=modality, audio=audio, **sampling
+            )
             if result["waveform"] is not None:
                 yield result["waveform"]
             return

@@ -1,9 +1,11 @@
 """The engine serves what `speechlm-convert --family bagpiper` writes from an ESPnet export (CPU,
-float32): every stream and the audio equal the reference's on the converted directory. The
-checkpoint carries the audio tower and adaptor, which the engine must skip by name."""
+float32): every stream and the audio equal the reference's on the converted directory. Served in
+text-only mode (`limit_mm_per_prompt` audio 0: vLLM's plain token path, no tower built), the
+engine skips the checkpoint's audio tower and adaptor by name and refuses audio."""
 
 import base64
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -12,7 +14,8 @@ from vllm_omni_speechlm.audio import read_wav
 from vllm_omni_speechlm.config import AUDIO_INPUT_PREFIXES
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
-ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=4, max_model_len=512, gpu_memory_utilization=0.3)
+ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=4, max_model_len=512, gpu_memory_utilization=0.3,
+              limit_mm_per_prompt={"audio": 0})
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,8 @@ def test_engine_generates_from_the_converted_export(converted):
     with SpeechLMGenerator(converted, **ENGINE) as gen:
         [result] = gen.generate("Say hello to the world.", system="Be brief.", **kw)
         ref = reference.generate(gen.encode("Say hello to the world.", "Be brief."), SpeechSamplingParams(**kw))
+        with pytest.raises(ValueError, match="audio"):
+            gen.generate("What is said?", audio=(np.zeros(1600, np.float32), 16000), max_tokens=4)
     assert torch.equal(torch.tensor(result["stream_token_ids"]), ref.tokens)
     assert result["text"] == ref.text and result["finish_reason"] == ref.finish_reason
     assert ref.audio is not None

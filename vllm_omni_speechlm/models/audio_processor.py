@@ -57,7 +57,9 @@ class LogMelProcessor:
 
 class BagpiperProcessingInfo(BaseProcessingInfo):
     def speech(self) -> SpeechLMConfig:
-        return SpeechLMConfig.from_hf_config(self.get_hf_config())
+        if not hasattr(self, "_speech"):  # parsed once: the processor asks per request
+            self._speech = SpeechLMConfig.from_hf_config(self.get_hf_config())
+        return self._speech
 
     def audio_spec(self) -> AudioInputSpec:
         spec = self.speech().audio_input

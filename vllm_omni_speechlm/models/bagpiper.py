@@ -56,8 +56,9 @@ class BagpiperForCausalLM(SpeechLMForCausalLM, SupportsMultiModal):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         spec = self.speech.audio_input
-        if spec is None:
-            return
+        mm = vllm_config.model_config.multimodal_config
+        if spec is None or (mm is not None and mm.get_limit_per_prompt("audio") == 0):
+            return  # no tower: text-only mode (`--limit-mm-per-prompt '{"audio": 0}'`), weights skipped
         hidden = vllm_config.model_config.hf_config.hidden_size
         tower = Qwen3OmniMoeAudioEncoderConfig(**dataclasses.asdict(spec.tower))
         self.audio_tower = Qwen3OmniMoeAudioEncoder(tower, prefix=maybe_prefix(prefix, "audio_tower"))
@@ -72,7 +73,7 @@ class BagpiperForCausalLM(SpeechLMForCausalLM, SupportsMultiModal):
     def embed_multimodal(self, **kwargs: Any) -> list[torch.Tensor]:
         """The clips of a step's requests, [rows_i, H] each, in order."""
         features, frames = kwargs.get(FEATURES), kwargs.get(FRAMES)
-        if features is None or self.speech.audio_input is None:
+        if features is None or not hasattr(self, "audio_tower"):
             return []
         if not isinstance(features, torch.Tensor):
             features = torch.cat(list(features), dim=1)
