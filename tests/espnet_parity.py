@@ -35,9 +35,13 @@ EXPECTED_TO_DIFFER: dict[str, str] = {
 MODES = {None: "auto", ("text",): "text", ("audio",): "audio", ("text", "audio"): "text+audio"}
 
 
-def load() -> dict:
-    with open(GOLDENS) as f:
+def read_json(path: Path) -> dict:
+    with open(path) as f:
         return json.load(f)
+
+
+def load() -> dict:
+    return read_json(GOLDENS)
 
 
 def sha256(path: str) -> str:

@@ -18,9 +18,9 @@ segment stops at its eos (ESPnet's drain after it only fills its KV cache).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
+
+from espnet_parity import read_json, sha256
 
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.convert import convert
@@ -37,13 +37,7 @@ MODES = {("codec_ssl",): "audio", ("text_bpe",): "text", ("text_bpe", "codec_ssl
 
 
 def load() -> dict:
-    with open(GOLDENS) as f:
-        return json.load(f)
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return read_json(GOLDENS)
 
 
 def build_checkpoint(out: Path, goldens: dict) -> str:

@@ -19,12 +19,8 @@ from tokenizers import Tokenizer
 
 import vllm_omni_speechlm.stage_configs as stage_configs
 from vllm_omni_speechlm.audio import to_wav_base64
-<<<<<<< HEAD
 from vllm_omni_speechlm.audio_input import prepare_audio
-from vllm_omni_speechlm.codec import load_codec_decoder
-=======
 from vllm_omni_speechlm.codec import decode_segments, load_codec_decoder
->>>>>>> main
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_segments
@@ -175,10 +171,13 @@ class SpeechLMGenerator:
             raise ValueError("prompts: expected a non-empty string or list of strings")
         clips = self._clips_per_prompt(audio, len(prompts), single)
         params = self._params(text_only, modality, sampling)
-        requests = [
-            self.engine_request(self.encode(p, system, params, len(c)), params, c) for p, c in zip(prompts, clips)
-        ]
-        # One SamplingParams per stage for the whole call (Omni takes one per stage).
+        return self.run([self.engine_request(self.encode(p, system, params, len(c)), params, c)
+                         for p, c in zip(prompts, clips)])
+
+    def run(self, requests: list[tuple[dict, Any]]) -> list[dict[str, Any]]:
+        """The results of `engine_request`s decoded as one batch, in order. Omni takes one
+        SamplingParams per stage for the whole call: the first request's serve all (each request's
+        speech options travel in its prompt)."""
         stage_params = [requests[0][1], *self._codec_stage_params(streamed=False)]
         by_request: dict[str, list[Any]] = {}  # two-stage: stage 0's text and stage 1's audio
         for output in self.omni.generate([r[0] for r in requests], stage_params, use_tqdm=False):
@@ -259,7 +258,7 @@ class SpeechLMGenerator:
         waveform = next((w for w in map(_waveform, outputs) if w is not None), None)
         lm = next((o for o in outputs if getattr(o, "stage_id", 0) == 0), None)
         if lm is None:  # only the codec stage's audio reached the client
-            return self._result_dict(None, waveform, None, [], [])
+            return self._result_dict(None, waveform, None, [], [], None)
         tokens = _stream_tokens(lm, self.cfg.num_streams)
         completion = lm.outputs[0]
         if waveform is None:
@@ -267,9 +266,11 @@ class SpeechLMGenerator:
                 clip = decode_segments(self.codec, audio_segments(tokens, self.cfg))
             waveform = None if clip is None else clip.float()
         text = decode_text(self.tokenizer, tokens[:, 0].tolist(), self.cfg)
-        return self._result_dict(text, waveform, completion.finish_reason, list(completion.token_ids), tokens.tolist())
+        prompt = lm.prompt_token_ids  # as vLLM ran it: each clip's placeholder expanded to its rows
+        return self._result_dict(text, waveform, completion.finish_reason, list(completion.token_ids), tokens.tolist(),
+                                 None if prompt is None else list(prompt))
 
-    def _result_dict(self, text, waveform, finish_reason, token_ids, stream_token_ids) -> dict[str, Any]:
+    def _result_dict(self, text, waveform, finish_reason, token_ids, stream_token_ids, prompt_token_ids) -> dict[str, Any]:
         if waveform is not None and waveform.numel() == 0:
             waveform = None  # a text-only answer
         audio = None if waveform is None else to_wav_base64(waveform, self.cfg.codec.sample_rate)
@@ -280,4 +281,5 @@ class SpeechLMGenerator:
             "finish_reason": finish_reason,
             "token_ids": token_ids,
             "stream_token_ids": stream_token_ids,
+            "prompt_token_ids": prompt_token_ids,
         }

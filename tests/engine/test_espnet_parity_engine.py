@@ -26,21 +26,15 @@ def decoded(tmp_path_factory) -> dict[str, dict]:
             system, user, clips = golden.prompt_parts(case)
             ids = gen.encode(user or "", system, audio=len(clips))
             requests.append(gen.engine_request(ids, golden.params(case), gen.prepare_clips(clips)))
-        outputs = {}
-        for out in gen.omni.generate([r[0] for r in requests], [requests[0][1]], use_tqdm=False):
-            outputs.setdefault(out.request_id, []).append(out)
-        ordered = sorted(outputs.items(), key=lambda item: int(item[0].split("_", 1)[0]))
-        results = [gen.result(*outs) for _, outs in ordered]
-        prompts = [outs[0].prompt_token_ids for _, outs in ordered]  # as vLLM's processor expanded them
-        return {case["name"]: dict(result, cfg=gen.cfg, prompt=prompt) for case, result, prompt in
-                zip(GOLDENS["cases"], results, prompts)}
+        results = gen.run(requests)
+        return {case["name"]: dict(result, cfg=gen.cfg) for case, result in zip(GOLDENS["cases"], results)}
 
 
 @pytest.mark.parametrize("case", GOLDENS["cases"], ids=golden.case_ids(GOLDENS))
 def test_engine_prompt_is_espnets(decoded, case):
     """The prompt vLLM ran: each clip's placeholder expanded to the rows ESPnet gave its features."""
     result = decoded[case["name"]]
-    assert list(result["prompt"]) == golden.prompt_rows(case, result["cfg"])
+    assert list(result["prompt_token_ids"]) == golden.prompt_rows(case, result["cfg"])
 
 
 @pytest.mark.parametrize("case", golden.cases_as_params(GOLDENS))

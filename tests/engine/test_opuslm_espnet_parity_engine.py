@@ -26,11 +26,7 @@ def decoded(tmp_path_factory) -> dict[str, dict]:
             ids = gen.encode(user, system, golden.params(case))
             assert ids == golden.prompt_ids(case)
             requests.append(gen.engine_request(ids, golden.params(case)))
-        outputs = {}
-        for out in gen.omni.generate([r[0] for r in requests], [requests[0][1]], use_tqdm=False):
-            outputs.setdefault(out.request_id, []).append(out)
-        ordered = sorted(outputs.items(), key=lambda item: int(item[0].split("_", 1)[0]))
-        results = [gen.result(*outs) for _, outs in ordered]
+        results = gen.run(requests)
         return {case["name"]: dict(result, cfg=gen.cfg) for case, result in zip(GOLDENS["cases"], results)}
 
 
