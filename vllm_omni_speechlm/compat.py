@@ -450,10 +450,10 @@ def with_deploy_parallel_stage_init(kwargs: dict[str, Any], on_cpu: bool) -> dic
     return kwargs | {PARALLEL_STAGE_INIT_KEY: from_yaml}
 
 
-def pass_parallel_stage_init_from_deploy() -> None:
+def pass_parallel_stage_init_from_deploy(check_devices: Callable[[str | None], None]) -> None:
     """Make vllm-omni's engine (`OmniEngineBase.__init__`, which reads the keyword) take
-    `parallel_stage_init` from the deploy YAML (and check the YAML's `max_pending_requests` and
-    stage `devices`). Idempotent."""
+    `parallel_stage_init` from the deploy YAML (and check the YAML's `max_pending_requests`, and
+    its stage devices with `check_devices(path)`). Idempotent."""
     from vllm.platforms import current_platform
     from vllm_omni.engine.omni_engine_base import OmniEngineBase
 
@@ -463,10 +463,8 @@ def pass_parallel_stage_init_from_deploy() -> None:
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from vllm_omni_speechlm.deploy_checks import check_deploy_devices  # it imports this module
-
         deploy_max_pending(kwargs.get("deploy_config"))  # a bad value fails the start, not a request
-        check_deploy_devices(kwargs.get("deploy_config"))  # before any stage process: a typo or a missing GPU
+        check_devices(kwargs.get("deploy_config"))  # before any stage process: a typo or a missing GPU
         init(self, *args, **with_deploy_parallel_stage_init(kwargs, current_platform.is_cpu()))
 
     __init__._reads_deploy_parallel_stage_init = True  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from vllm_omni_speechlm.codec import decode_segments, load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_segments
-from vllm_omni_speechlm.deploy_checks import DeployPlan
+from vllm_omni_speechlm.deploy_checks import DeployPlan, check_deploy_devices
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
@@ -86,7 +86,7 @@ class SpeechLMGenerator:
         plugin.register()  # this process resolves the pipeline; workers load it by entry point
         from vllm_omni import Omni
 
-        compat.pass_parallel_stage_init_from_deploy()
+        compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)
 
         self.model_dir = str(model_dir)
         self.cfg = SpeechLMConfig.from_model_dir(self.model_dir)

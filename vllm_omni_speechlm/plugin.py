@@ -16,13 +16,14 @@ def register() -> None:
     models through the latter) and pipelines; in the API server also the OpenAI routes
     (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
     from vllm_omni_speechlm import compat, serving
+    from vllm_omni_speechlm.deploy_checks import check_deploy_devices
 
     compat.check_versions()
     register_speech_lms()
 
     serving.register()
     if ENGINE_MODULE in sys.modules:  # the process that starts the stages (API server, offline driver)
-        compat.pass_parallel_stage_init_from_deploy()
+        compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)
     extra = os.environ.get(EXTRA_PLUGIN_ENV)
     if extra:
         importlib.import_module(extra).register()

@@ -170,8 +170,10 @@ def test_vllm_omni_engine_reads_the_keyword_the_hook_passes():
     from vllm_omni.config.stage_config import DeployConfig
     from vllm_omni.engine.omni_engine_base import OmniEngineBase
 
-    compat.pass_parallel_stage_init_from_deploy()
-    compat.pass_parallel_stage_init_from_deploy()  # idempotent: one wrapper
+    from vllm_omni_speechlm.deploy_checks import check_deploy_devices
+
+    compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)
+    compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)  # idempotent: one wrapper
     init = OmniEngineBase.__init__
     assert init._reads_deploy_parallel_stage_init and not hasattr(init.__wrapped__, "__wrapped__")
     assert 'kwargs.get("parallel_stage_init")' in inspect.getsource(init.__wrapped__)
