@@ -58,6 +58,7 @@ def served(tmp_path_factory) -> str:
          "--backbone-config", str(export / "backbone" / "config.json"),
          "--text-tokenizer", str(export / "backbone" / "tokenizer.json"),
          "--codec-config", str(export / "xcodec" / "config.json"),
+         "--audio-tower-config", str(export / "audio_tower" / "config.json"),
          "--inference-config", str(export / "inference.yaml"), "--out", str(out))
     return str(out)
 
