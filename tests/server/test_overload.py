@@ -2,7 +2,8 @@
 admitted requests complete, and every place comes back (ended, closed early).
 
 Every answer is asked for exactly FRAMES audio frames (its minimum and maximum), so the admitted
-answers cannot end early. A 429 itself shows that the bound was full when the request arrived; how
+answers cannot end early, and stage 0 decodes one request at a time: once one admitted answer plays
+and the others wait in stage 0's queue, the bound stays full for three whole answers more. A 429 itself shows that the bound was full when the request arrived; how
 fast it came is not asserted (timing belongs to benchmarks; the tiny model may finish an 800-frame
 answer within the tens of milliseconds a refusal takes on a loaded machine)."""
 
@@ -31,6 +32,7 @@ def server(tiny_bagpiper, tmp_path_factory):
     with open(stage_configs.path("bagpiper_streaming_cpu_tiny.yaml")) as f:
         deploy = yaml.safe_load(f) | {"max_pending_requests": LIMIT}
     deploy["stages"][0]["max_model_len"] = 2 * FRAMES  # room for the long answers
+    deploy["stages"][0]["max_num_seqs"] = 1  # admitted answers queue behind the one that plays
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
     yield from start_speechlm_server(tiny_bagpiper, str(tmp / "deploy.yaml"), tmp)
 
@@ -40,28 +42,39 @@ def _post_together(client: httpx.Client, path: str, body: dict, start: threading
     return client.post(path, json=body)
 
 
-def _streams_playing(server, n: int, pool: ThreadPoolExecutor, playing: threading.Barrier):
-    """n streamed answers, each read to the end after all n have sent their first audio."""
+def _listen(server, seed: int) -> bytes:
+    with httpx.stream("POST", server.url + "/v1/audio/speech", json=BODY | {"seed": seed}, timeout=600) as r:
+        assert r.status_code == 200, r.read()[:300]
+        return b"".join(r.iter_raw())
 
-    def listen(seed: int) -> bytes:
-        with httpx.stream("POST", server.url + "/v1/audio/speech", json=BODY | {"seed": seed}, timeout=600) as r:
-            assert r.status_code == 200, r.read()[:300]
-            chunks = r.iter_raw()
-            first = next(chunks)
-            playing.wait()
-            return first + b"".join(chunks)
 
-    return [pool.submit(listen, seed) for seed in range(n)]
+def _stage0_queue(server) -> tuple[float, float]:
+    """(running, waiting) requests of stage 0, from the server's metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in ("vllm:num_requests_running", "vllm:num_requests_waiting") and sample.labels.get("stage") == "0":
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found.get("vllm:num_requests_running", 0.0), found.get("vllm:num_requests_waiting", 0.0)
+
+
+def _until_queued(server, running: int, waiting: int) -> None:
+    deadline = time.monotonic() + 300
+    while _stage0_queue(server) != (running, waiting):
+        assert time.monotonic() < deadline, _stage0_queue(server)
+        time.sleep(0.05)
 
 
 def test_requests_beyond_the_bound_are_refused_at_once(server):
-    """LIMIT answers playing, then 8 more speech requests and a chat request at once: each gets
-    429 + Retry-After, the playing answers run to their end, and then the places are free again."""
+    """LIMIT answers admitted (one decoding, the rest queued in stage 0), then 8 more speech
+    requests and a chat request at once: each gets 429 + Retry-After, the admitted answers run to
+    their end, and then the places are free again."""
     extra = [("/v1/audio/speech", BODY | {"seed": 100 + i}) for i in range(8)] + [CHAT]
-    playing = threading.Barrier(LIMIT + 1)
     with ThreadPoolExecutor(LIMIT + len(extra)) as pool:
-        admitted = _streams_playing(server, LIMIT, pool, playing)
-        playing.wait(timeout=300)
+        admitted = [pool.submit(_listen, server, seed) for seed in range(LIMIT)]
+        _until_queued(server, running=1, waiting=LIMIT - 1)
         start = threading.Barrier(len(extra))
         with httpx.Client(base_url=server.url, timeout=600, limits=httpx.Limits(max_connections=len(extra))) as client:
             refused = list(pool.map(lambda r: _post_together(client, *r, start), extra))
