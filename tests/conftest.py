@@ -212,6 +212,24 @@ def flatten(values):
             yield v
 
 
+def live_requests(model) -> int:
+    """Requests whose per-request state stage 0's model still holds (for `worker_sum`)."""
+    return len(model.steps)
+
+
+def scheduler_with_blocks(cls, vllm_config, num_blocks: int, block_size: int):
+    """A stage-0 scheduler `cls` over a KV cache of `num_blocks` blocks (no engine, no device)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config.cache_config.num_gpu_blocks = num_blocks  # read once, at construction
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return cls(vllm_config=vllm_config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vllm_config),
+               block_size=block_size, log_stats=True)
+
+
 def worker_sum(omni, fn) -> int:
     """Sum of `fn(model)` over stage 0's workers (collective_rpc "apply_model")."""
     return sum(flatten(omni.engine.collective_rpc("apply_model", args=(fn,), stage_ids=[0])))

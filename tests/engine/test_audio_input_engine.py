@@ -13,7 +13,7 @@ import pytest
 import soundfile
 import torch
 
-from conftest import flatten, worker_sum
+from conftest import flatten, live_requests, worker_sum
 from devtools import audio_clips
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -94,11 +94,7 @@ def test_a_stereo_file_at_another_rate(generator, reference, tmp_path):
 
 
 def _live(generator) -> int:
-    return worker_sum(generator.omni, _live_requests)
-
-
-def _live_requests(model) -> int:
-    return len(model.steps)
+    return worker_sum(generator.omni, live_requests)
 
 
 def _encoder_cache_rows(generator) -> int:

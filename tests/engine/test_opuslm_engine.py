@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import step_graphs_eagerly, worker_sum
+from conftest import live_requests, step_graphs_eagerly, worker_sum
 from vllm_omni_speechlm.decoding import RowKind
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -27,10 +27,6 @@ def family(request, tmp_path_factory):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     with SpeechLMGenerator(model_dir, **ENGINE) as gen:
         yield gen, ReferenceSpeechLM(model_dir)
-
-
-def live_requests(model) -> int:
-    return len(model.steps)
 
 
 def drained(ref) -> bool:

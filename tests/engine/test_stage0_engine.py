@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import flatten, worker_sum
+from conftest import flatten, live_requests, worker_sum
 from vllm_omni_speechlm.audio import read_wav
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -19,10 +19,6 @@ PROMPTS = [
     "What time is it in the morning?",
     "Please say something nice about the weather today, it is sunny.",
 ]
-
-
-def live_requests(model) -> int:
-    return len(model.steps)
 
 
 @pytest.fixture(scope="module")

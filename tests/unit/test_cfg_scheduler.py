@@ -12,16 +12,14 @@ import copy
 import random
 
 import pytest
-import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm_omni.outputs import OmniModelRunnerOutput
 from vllm_omni.request import OmniRequest
 
+from conftest import scheduler_with_blocks
 from vllm_omni_speechlm.cfg import is_companion, main_id
 from vllm_omni_speechlm.compat import encoder_cache_held
 from vllm_omni_speechlm.config import SpeechLMConfig
@@ -58,13 +56,7 @@ def _vllm_config(model_dir: str, max_num_seqs: int) -> VllmConfig:
 
 
 def _scheduler(cls, vllm_config: VllmConfig, num_blocks: int = 400):
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float32))],
-    )
-    return cls(vllm_config=vllm_config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK, log_stats=True)
+    return scheduler_with_blocks(cls, vllm_config, num_blocks, BLOCK)
 
 
 def _ids(speech: SpeechLMConfig, script: str) -> list[int]:

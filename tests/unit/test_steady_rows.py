@@ -15,13 +15,12 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 from vllm_omni.outputs import OmniModelRunnerOutput
 from vllm_omni.request import OmniRequest
 
+from conftest import scheduler_with_blocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 
 BLOCK = 16
@@ -48,13 +47,7 @@ def vllm_config(tiny_bagpiper):
 
 
 def _scheduler(cls, vllm_config, num_blocks: int):
-    vllm_config.cache_config.num_gpu_blocks = num_blocks  # read once, at construction
-    kv = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float32))],
-    )
-    return cls(vllm_config=vllm_config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK, log_stats=True)
+    return scheduler_with_blocks(cls, vllm_config, num_blocks, BLOCK)
 
 
 def _requests(seed: int, count: int) -> list[OmniRequest]:
