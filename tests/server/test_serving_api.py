@@ -248,7 +248,9 @@ BAD_CHAT = [
     ({"modalities": "audio"}, "modalities"),
     ({"audio": {"format": "mp3"}, "modalities": ["text", "audio"]}, "audio.format"),
     ({"audio": {"voice": "alloy"}, "modalities": ["text", "audio"]}, "audio.voice"),
-    ({"stream": True}, "stream"),
+    ({"stream": True, "audio": {"format": "wav"}, "modalities": ["text", "audio"]}, "audio.format"),
+    ({"audio": {"format": "pcm16"}, "modalities": ["text", "audio"]}, "audio.format"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"n": 2}, "n"),
     ({"top_p": 0.5}, "top_p"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -333,6 +335,46 @@ def test_chat_text_and_audio(server, reference):
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
         assert w.getframerate() == 16000
         _assert_pcm_equal(w.readframes(w.getnframes()), _pcm16(ref.audio))
+
+
+def _chat_stream(server, parts, **body) -> tuple[str, bytes, dict]:
+    """A streamed chat answer: (its text, its PCM16 audio, the last chunk); audio comes in several
+    chunks."""
+    text, audio, chunks, pieces = "", b"", [], 0
+    request = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "stream": True} | body
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=request, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()[:300]
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        chunks.append(json.loads(event))
+        delta = chunks[-1]["choices"][0]["delta"]
+        text += delta.get("content") or ""
+        if "audio" in delta:
+            audio, pieces = audio + base64.b64decode(delta["audio"]["data"]), pieces + 1
+    assert pieces >= 2 or not audio, pieces
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    return text, audio, chunks[-1]
+
+
+def test_chat_streams_text_and_audio(server, reference):
+    """Streamed chat answers equal the reference: text and audio of a text question, and speech in /
+    speech out; usage when asked."""
+    question = "What time is it?"
+    text, audio, last = _chat_stream(server, question, modalities=["text", "audio"], seed=5, max_tokens=90,
+                                     max_text_tokens=6, audio={"format": "pcm16"},
+                                     stream_options={"include_usage": True})
+    ref = reference.generate(encode_prompt(reference.tokenizer, reference.cfg, question),
+                             SpeechSamplingParams(modality="text+audio", max_text_tokens=6, seed=5, max_tokens=90))
+    assert text == ref.text
+    _assert_pcm_equal(audio, _pcm16(ref.audio))
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["usage"]["completion_tokens"] > 0
+    wav, samples = _audio_file(1.0)
+    text, audio, last = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=60,
+                                     min_audio_frames=30)
+    ref = _reference_heard(reference, None, (samples, 16000), modality="audio", seed=1, max_tokens=60, min_audio_frames=30)
+    _assert_pcm_equal(audio, _pcm16(ref.audio))
+    assert "usage" not in last
 
 
 def test_chat_text_only(server, reference):
@@ -553,42 +595,74 @@ def demo_url(server, tmp_path_factory):
         log.close()
 
 
+def _browser_page(p):
+    browser = p.chromium.launch(
+        executable_path=_chromium(),
+        args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required", "--mute-audio"],
+    )
+    return browser, browser.new_page()
+
+
+def _answer_in_page(page) -> str:
+    """Click the answer button; the final status once the answer has streamed."""
+    page.locator("#decoding").get_by_text("Decoding").click()
+    page.locator("#seed input").fill("4")
+    page.locator("#max_tokens input[type=number]").fill("200")
+    page.locator("#max_tokens input[type=number]").press("Enter")
+    page.locator("#speak").click()
+    status = page.locator("#status")
+    status.filter(has_text="s of audio in").wait_for(timeout=180_000)
+    return status.inner_text()
+
+
+def _played(page) -> None:
+    page.wait_for_function(
+        "() => { const a = document.querySelector('#audio audio'); return a && a.currentTime > 0; }",
+        timeout=60_000,
+    )
+
+
 def test_demo_streams_audio_in_browser(demo_url):
+    """Typed text, answered in audio: the page loads, the answer streams to the player and plays,
+    and the time to first audio is shown."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=_chromium(),
-            args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required", "--mute-audio"],
-        )
+        browser, page = _browser_page(p)
         try:
-            page = browser.new_page()
             streamed = []  # the page's audio stream (HLS playlist / segments) as it arrives
             page.on("response", lambda r: streamed.append(r.url) if "/stream/" in r.url else None)
             page.goto(demo_url, wait_until="networkidle")
             assert "Speech LM" in page.content()
-
             page.locator("#text textarea").fill("Please say something nice about the weather today.")
-            page.locator("#seed input").fill("4")
-            page.locator("#max_tokens input[type=number]").fill("200")
-            page.locator("#max_tokens input[type=number]").press("Enter")
-            page.locator("#speak").click()
-
-            status = page.locator("#status")
-            status.filter(has_text="time to first audio").wait_for(timeout=180_000)
-            status.filter(has_text="s of audio in").wait_for(timeout=180_000)
-            final = status.inner_text()
+            final = _answer_in_page(page)
             ttfa = re.search(r"time to first audio: (\d+) ms", final)
             seconds = re.search(r"([\d.]+) s of audio", final)
             assert ttfa and seconds and float(seconds.group(1)) > 0, final
-
-            # The player got the streamed audio and played it.
-            page.wait_for_function(
-                "() => { const a = document.querySelector('#audio audio');"
-                " return a && a.currentTime > 0; }",
-                timeout=60_000,
-            )
+            _played(page)
             assert streamed, "the page fetched no audio stream"
+        finally:
+            browser.close()
+
+
+def test_demo_answers_an_uploaded_question_in_text_and_audio(demo_url, tmp_path):
+    """A question as an uploaded WAV, answered in text and audio: the text answer shows beside the
+    player, and the audio plays."""
+    from playwright.sync_api import sync_playwright
+
+    question = tmp_path / "question.wav"
+    question.write_bytes(_audio_file(1.0)[0])
+    with sync_playwright() as p:
+        browser, page = _browser_page(p)
+        try:
+            page.goto(demo_url, wait_until="networkidle")
+            page.locator("#text textarea").fill("")
+            page.locator("#user_audio input[type=file]").set_input_files(str(question))
+            page.locator("#mode").get_by_text("text + audio").click()
+            final = _answer_in_page(page)
+            assert float(re.search(r"([\d.]+) s of audio", final).group(1)) > 0, final
+            assert page.locator("#answer_text textarea").input_value().strip()
+            _played(page)
         finally:
             browser.close()
 

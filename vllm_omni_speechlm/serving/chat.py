@@ -16,19 +16,25 @@ vllm-omni's handler unchanged.
     temperature, top_k      the text part's sampling (or text_temperature / text_top_k)
     max_tokens / max_completion_tokens, seed, and the model options (options.MODEL_OPTIONS)
 
-Non-streaming only (streamed audio: `/v1/audio/speech` with stream=true). A client that goes
-away cancels the handler, and vllm-omni's engine client then aborts the request in every stage.
+    stream, stream_options.include_usage
+                 server-sent `chat.completion.chunk` events as the answer is generated: text as
+                 delta.content, audio as delta.audio.data (base64 PCM16 at the codec's rate, only
+                 the new samples; audio.format "pcm16"), then the finish reason, then [DONE]
+
+A client that goes away cancels the handler (or closes the stream), and vllm-omni's engine client
+then aborts the request in every stage.
 """
 
 import base64
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any
 
 import torch
 
-from vllm_omni_speechlm.audio import to_wav
+from vllm_omni_speechlm.audio import to_pcm16, to_wav
 from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
@@ -44,7 +50,7 @@ ROUTE = "/v1/chat/completions"
 MODALITIES = {("text",): "text", ("audio", "text"): "text+audio", ("audio",): "audio"}
 # Request fields this route reads; any other field a client sets is an error.
 ACCEPTED_FIELDS = {"messages", "model", "modalities", "audio", "temperature", "top_k", "max_tokens",
-                   "max_completion_tokens", "seed", "stream", "n", "user", "extra_params", *options.MODEL_OPTIONS}
+                   "max_completion_tokens", "seed", "stream", "stream_options", "n", "user", "extra_params", *options.MODEL_OPTIONS}
 
 
 class BadRequest(ValueError):
@@ -113,6 +119,7 @@ def _modality(request: Any) -> str:
 
 
 def _check_audio_param(request: Any) -> None:
+    """`audio`: {format, voice}; the format is wav for a whole answer, pcm16 for a stream (OpenAI's)."""
     audio = getattr(request, "audio", None)
     if audio is None:
         return
@@ -121,8 +128,10 @@ def _check_audio_param(request: Any) -> None:
     unknown = sorted(set(audio) - {"format", "voice"})
     if unknown:
         raise BadRequest(f"audio.{unknown[0]}: unknown field")
-    if audio.get("format", "wav") != "wav":
-        raise BadRequest(f"audio.format: only 'wav' is supported, got {audio.get('format')!r}")
+    wanted = "pcm16" if request.stream else "wav"
+    if audio.get("format", wanted) != wanted:
+        raise BadRequest(f"audio.format: {'a stream' if request.stream else 'a whole answer'} comes as {wanted!r}, "
+                         f"got {audio.get('format')!r}")
     if audio.get("voice") not in (None, "default"):
         raise BadRequest(f"audio.voice: this model has one voice; omit it or use 'default', got {audio.get('voice')!r}")
 
@@ -131,8 +140,6 @@ def _check_fields(request: Any) -> None:
     unsupported = sorted((set(request.model_fields_set) | set(request.model_extra or {})) - ACCEPTED_FIELDS)
     if unsupported:
         raise BadRequest(f"{', '.join(unsupported)}: not supported by this model's chat completions")
-    if request.stream:
-        raise BadRequest("stream: not supported for chat; use /v1/audio/speech with stream=true for streamed audio")
     if request.n not in (None, 1):
         raise BadRequest(f"n: only 1 is supported, got {request.n}")
 
@@ -214,6 +221,38 @@ async def _generate(engine_client: Any, prompt: dict, stage0: Any, modality: str
     return tokens, finish, waveform
 
 
+async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: dict, stage0: Any, modality: str,
+                  request_id: str):
+    """OpenAI's chat stream: one `chat.completion.chunk` per new piece of text or audio, then the
+    finish reason (and usage, if asked), then [DONE]."""
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": request.model or model.model_dir}
+
+    def event(delta: dict, finish: str | None = None, **extra: Any) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return f"data: {json.dumps(head | {'choices': [choice]} | extra)}\n\n"
+
+    yield event({"role": "assistant", "content": ""})
+    sent, tokens, finish = "", [], None
+    async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id):
+        if is_audio_output(out):
+            for chunk in _audio_chunks(out):
+                yield event({"audio": {"id": f"audio_{request_id}", "data": base64.b64encode(to_pcm16(chunk)).decode()}})
+        elif out.outputs:
+            tokens, finish = list(out.outputs[0].token_ids), out.outputs[0].finish_reason or finish
+            text = decode_text(model.tokenizer, tokens, model.cfg)
+            if text != sent and not text.endswith("\ufffd"):  # a character still cut in two waits
+                yield event({"content": text[len(sent):]})
+                sent = text
+    text = decode_text(model.tokenizer, tokens, model.cfg)
+    if text != sent:
+        yield event({"content": text[len(sent):]})
+    wants_usage = request.stream_options is not None and request.stream_options.include_usage
+    usage = {"usage": _usage(len(prompt["prompt_token_ids"]), len(tokens))} if wants_usage else {}
+    yield event({}, finish or "stop", **usage)
+    yield "data: [DONE]\n\n"
+
+
 def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int, tokens: list[int],
               finish: str | None, waveform: torch.Tensor | None) -> dict:
     text = decode_text(model.tokenizer, tokens, model.cfg)
@@ -232,12 +271,16 @@ def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int
         "created": int(time.time()),
         "model": request.model or model.model_dir,
         "choices": [{"index": 0, "message": message, "finish_reason": finish or "stop", "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(tokens), "total_tokens": prompt_len + len(tokens)},
+        "usage": _usage(prompt_len, len(tokens)),
     }
 
 
+def _usage(prompt_len: int, completion_len: int) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion_len, "total_tokens": prompt_len + completion_len}
+
+
 async def create_speechlm_chat_completion(request: Any, raw_request: Any, stock: Any = None) -> Any:
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     engine_client = raw_request.app.state.engine_client
     model = served_model(engine_client)
@@ -250,6 +293,9 @@ async def create_speechlm_chat_completion(request: Any, raw_request: Any, stock:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     async def answer() -> Any:
+        if request.stream:
+            events = _chunks(engine_client, model, request, prompt, stage0, modality, request_id)
+            return StreamingResponse(events, media_type="text/event-stream")
         tokens, finish, waveform = await _generate(engine_client, prompt, stage0, modality, request_id)
         return JSONResponse(_response(request, model, request_id, len(prompt["prompt_token_ids"]), tokens, finish, waveform))
 
