@@ -177,6 +177,9 @@ HOOKS = (
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "apply_sampling_overrides", "override",
          "self, sampling_params_list, request, prompt=None, request_id=None"),
     Hook("vllm.model_executor.models.config", "MODELS_CONFIG_MAP", "attribute"),  # deploy_checks.py
+    Hook("vllm.config.model", "_get_and_verify_max_len", "call", "hf_config, model_arch_config, tokenizer_config, "
+         "max_model_len, disable_sliding_window, sliding_window, spec_target_max_model_len=None, encoder_config=None"),
+    Hook("vllm.config.model:ModelConfig", "model_arch_config", "attribute"),  # position_limit
 )
 
 
@@ -245,6 +248,21 @@ def stops_after(token: Any, num_tokens: Any, num_output_tokens: Any, max_tokens:
     for stop_id in stop_token_ids or ():
         stop = stop | (token == stop_id)
     return stop | (num_tokens >= max_model_len) | (num_output_tokens >= max_tokens)
+
+
+# ---- the checkpoint's positions -------------------------------------------------------------
+
+
+def position_limit(model_config: Any) -> int:
+    """The longest sequence the checkpoint's positions cover: the max_model_len vLLM derives when
+    none is set (max_position_embeddings, with the RoPE scaling factor where it extends them)."""
+    from vllm.config.model import _get_and_verify_max_len
+
+    limit = _get_and_verify_max_len(
+        hf_config=model_config.hf_text_config, model_arch_config=model_config.model_arch_config, tokenizer_config=None,
+        max_model_len=None, disable_sliding_window=False, sliding_window=None,
+    )
+    return int(limit)
 
 
 # ---- run-time changes: the chunk adapter, the CPU worker, the API routes -------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
-from vllm_omni_speechlm.compat import max_pending_of, parallel_stage_init_of
+from vllm_omni_speechlm.compat import max_pending_of, parallel_stage_init_of, position_limit
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
@@ -85,10 +85,26 @@ def check_parallelism(parallel_config: Any) -> None:
         )
 
 
+def check_positions(model_config: Any) -> None:
+    """max_model_len within the checkpoint's positions. vLLM refuses more unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, and vllm-omni sets it for every stage whose YAML names a
+    max_model_len. Past the positions RoPE reads outside its table: the answer turns to garbage
+    (audio ends early, as a row that is not audio ends a segment), and so do later requests that
+    reuse its KV blocks."""
+    limit = position_limit(model_config)
+    if model_config.max_model_len > limit:
+        raise ValueError(
+            f"speech LM stage: max_model_len ({model_config.max_model_len}) must be <= {limit}, the positions of "
+            f"the checkpoint (max_position_embeddings, with its RoPE scaling); longer sequences decode garbage"
+        )
+
+
 def check_speech_lm_stage(vllm_config: Any) -> None:
-    """The speech LM stage: one rank; window settings when it produces streamed windows."""
+    """The speech LM stage: one rank, max_model_len within the checkpoint's positions; window
+    settings when it produces streamed windows."""
     check_parallelism(vllm_config.parallel_config)
     model_config = vllm_config.model_config
+    check_positions(model_config)
     if getattr(model_config, "async_chunk", False):
         extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}
         window_settings(extra, codec_reach(str(model_config.model)))

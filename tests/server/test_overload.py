@@ -1,11 +1,11 @@
 """`max_pending_requests`: beyond the bound the server refuses at once (429, Retry-After), the
 admitted requests complete, and every place comes back (ended, closed early).
 
-Every answer is asked for exactly FRAMES audio frames (its minimum and maximum), so the admitted
-answers cannot end early, and stage 0 decodes one request at a time: once one admitted answer plays
-and the others wait in stage 0's queue, the bound stays full for three whole answers more. A 429 itself shows that the bound was full when the request arrived; how
-fast it came is not asserted (timing belongs to benchmarks; the tiny model may finish an 800-frame
-answer within the tens of milliseconds a refusal takes on a loaded machine)."""
+Stage 0 decodes one request at a time, and the first admitted answer is a long one that the test
+closes only after the refusals, so the bound stays full however fast or loaded the machine (a
+short answer of the tiny model can end within one slow /metrics scrape of a loaded machine). The
+other admitted answers are asked for exactly FRAMES frames (their minimum and maximum), so they
+cannot end early. How fast a refusal comes is not asserted (timing belongs to benchmarks)."""
 
 import threading
 import time
@@ -20,7 +20,9 @@ from vllm_omni_speechlm import stage_configs
 from vllm_omni_speechlm.config import SpeechLMConfig
 
 LIMIT = 4
-FRAMES = 800  # ~16 s of audio: longer than any refusal may take, on a loaded machine too
+FRAMES = 800
+POSITIONS = 4096  # the tiny checkpoint's max_position_embeddings: stage 0's max_model_len may not pass it
+LONG = POSITIONS - 200  # the longest answer its prompt leaves room for: holds stage 0 ~30 s while the refusals go
 BODY = {"input": "Tell me a long story.", "min_audio_frames": FRAMES, "max_audio_frames": FRAMES, "max_new_tokens": FRAMES + 20,
         "cfg_scale": 1.0, "response_format": "pcm", "stream_format": "audio"}
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
@@ -31,7 +33,7 @@ def server(tiny_bagpiper, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overload")
     with open(stage_configs.path("bagpiper_streaming_cpu_tiny.yaml")) as f:
         deploy = yaml.safe_load(f) | {"max_pending_requests": LIMIT}
-    deploy["stages"][0]["max_model_len"] = 2 * FRAMES  # room for the long answers
+    deploy["stages"][0]["max_model_len"] = POSITIONS
     deploy["stages"][0]["max_num_seqs"] = 1  # admitted answers queue behind the one that plays
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
     yield from start_speechlm_server(tiny_bagpiper, str(tmp / "deploy.yaml"), tmp)
@@ -68,22 +70,26 @@ def _until_queued(server, running: int, waiting: int) -> None:
 
 
 def test_requests_beyond_the_bound_are_refused_at_once(server):
-    """LIMIT answers admitted (one decoding, the rest queued in stage 0), then 8 more speech
-    requests and a chat request at once: each gets 429 + Retry-After, the admitted answers run to
-    their end, and then the places are free again."""
+    """LIMIT answers admitted (a long one decoding, the rest queued in stage 0), then 8 more speech
+    requests and a chat request at once: each gets 429 + Retry-After; once the long answer is
+    closed, the queued answers run to their end, and the server still answers."""
     extra = [("/v1/audio/speech", BODY | {"seed": 100 + i}) for i in range(8)] + [CHAT]
-    with ThreadPoolExecutor(LIMIT + len(extra)) as pool:
-        admitted = [pool.submit(_listen, server, seed) for seed in range(LIMIT)]
-        _until_queued(server, running=1, waiting=LIMIT - 1)
-        start = threading.Barrier(len(extra))
-        with httpx.Client(base_url=server.url, timeout=600, limits=httpx.Limits(max_connections=len(extra))) as client:
+    long_body = BODY | {"min_audio_frames": LONG, "max_audio_frames": LONG, "max_new_tokens": LONG + 20}
+    _stage0_queue(server)  # the first scrape is slow
+    with ThreadPoolExecutor(LIMIT + len(extra)) as pool, httpx.Client(base_url=server.url, timeout=600) as client:
+        with client.stream("POST", "/v1/audio/speech", json=long_body) as playing:
+            chunks = playing.iter_raw()  # held: a dropped iterator closes the stream
+            next(chunks)
+            queued = [pool.submit(_listen, server, seed) for seed in range(1, LIMIT)]
+            _until_queued(server, running=1, waiting=LIMIT - 1)
+            start = threading.Barrier(len(extra))
             refused = list(pool.map(lambda r: _post_together(client, *r, start), extra))
-        answers = [f.result() for f in admitted]
+        answers = [f.result() for f in queued]
     for resp in refused:
         assert resp.status_code == 429, resp.text[:300]
         assert resp.headers["retry-after"] == "1" and "max_pending_requests" in resp.json()["error"]["message"]
     frame_bytes = 2 * SpeechLMConfig.from_model_dir(server.model_dir).codec.hop_length  # 16-bit PCM
-    assert all(len(a) >= (FRAMES - 8) * frame_bytes for a in answers)  # ran to the end (less the delay)
+    assert all(len(a) >= (FRAMES - 8) * frame_bytes for a in answers), ([len(a) for a in answers], frame_bytes)  # ran to the end (less the delay)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.post(server.url + CHAT[0], json=CHAT[1], timeout=300).status_code == 200
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from vllm_omni_speechlm import stage_configs
-from vllm_omni_speechlm.deploy_checks import DeployPlan, check_speech_lm_stage, codec_reach
+from vllm_omni_speechlm.deploy_checks import DeployPlan, check_positions, check_speech_lm_stage, codec_reach
 from vllm_omni_speechlm.streaming import WINDOW_DEFAULTS, max_window_ids, window_settings
 
 XCODEC_REACH = (10, 10)
@@ -151,19 +151,35 @@ def test_deploy_plan_rejects_what_vllm_omni_would_ignore(tmp_path):
         (1, 2, "pipeline_parallel_size 2 is not supported"),
     ],
 )
-def test_stage0_parallelism_is_refused_at_start_up(tp, pp, message):
+def test_stage0_parallelism_is_refused_at_start_up(tiny_bagpiper, tp, pp, message):
     """The speech LM stage's start-up check (before any worker) says what works and what to use."""
     from types import SimpleNamespace
 
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        model_config=SimpleNamespace(async_chunk=False),
+        model_config=_model_config(tiny_bagpiper, 512),
     )
     with pytest.raises(ValueError) as err:
         check_speech_lm_stage(config)
     assert message in str(err.value) and "run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml)" in str(err.value)
     config.parallel_config.tensor_parallel_size = config.parallel_config.pipeline_parallel_size = 1
     check_speech_lm_stage(config)
+
+
+def _model_config(model_dir: str, max_model_len: int):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=model_dir, dtype="float32", max_model_len=max_model_len, skip_tokenizer_init=True)
+
+
+def test_stage0_max_model_len_is_held_to_the_checkpoints_positions(tiny_bagpiper, monkeypatch):
+    """vllm-omni lets a YAML's max_model_len pass the checkpoint's positions (it sets
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN); past them an answer decodes garbage, and so do the requests
+    that reuse its KV blocks (queued answers lost their audio). The speech LM stage refuses it."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # as vllm-omni sets it
+    check_positions(_model_config(tiny_bagpiper, 4096))  # the tiny checkpoint's max_position_embeddings
+    with pytest.raises(ValueError, match=r"max_model_len \(4097\) must be <= 4096"):
+        check_positions(_model_config(tiny_bagpiper, 4097))
 
 
 # ---- real engine starts ---------------------------------------------------------------------------
@@ -186,6 +202,8 @@ BAD_STARTS = {
     "chunk_not_int": (_set((*EXTRA, "codec_chunk_frames"), "25"), "codec_chunk_frames must be a non-negative int"),
     "unknown_key": (_set((*EXTRA, "codec_left_frames"), 25), "unknown key 'codec_left_frames'"),
     "stage1_too_short": (_set(("stages", 1, "max_model_len"), 400), "stage 1 (codec): max_model_len (400) must be >= 480"),
+    # vllm-omni lets a stage's max_model_len pass the checkpoint's positions (the tiny one has 4096)
+    "stage0_beyond_positions": (_set(("stages", 0, "max_model_len"), 4097), "max_model_len (4097) must be <= 4096"),
     "device_not_an_index": (_set(("stages", 1, "devices"), "gpu1"), "stages[1].devices: expected GPU indices"),
 }
 
