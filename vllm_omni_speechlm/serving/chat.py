@@ -233,7 +233,8 @@ async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: 
         return f"data: {json.dumps(head | {'choices': [choice]} | extra)}\n\n"
 
     yield event({"role": "assistant", "content": ""})
-    sent, tokens, finish = "", [], None
+    sent = text = ""
+    tokens, finish = [], None
     async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id):
         if is_audio_output(out):
             for chunk in _audio_chunks(out):
@@ -241,16 +242,21 @@ async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: 
         elif out.outputs:
             tokens, finish = list(out.outputs[0].token_ids), out.outputs[0].finish_reason or finish
             text = decode_text(model.tokenizer, tokens, model.cfg)
-            if text != sent and not text.endswith("\ufffd"):  # a character still cut in two waits
-                yield event({"content": text[len(sent):]})
+            if delta := new_text(text, sent):
+                yield event({"content": delta})
                 sent = text
-    text = decode_text(model.tokenizer, tokens, model.cfg)
-    if text != sent:
+    if text != sent:  # the rest, a cut character included
         yield event({"content": text[len(sent):]})
     wants_usage = request.stream_options is not None and request.stream_options.include_usage
     usage = {"usage": _usage(len(prompt["prompt_token_ids"]), len(tokens))} if wants_usage else {}
     yield event({}, finish or "stop", **usage)
     yield "data: [DONE]\n\n"
+
+
+def new_text(text: str, sent: str) -> str:
+    """What a stream sends of the text decoded so far: the part after `sent`, or nothing while its
+    last character is still cut in two (its next token completes it)."""
+    return "" if text.endswith("\ufffd") else text[len(sent):]
 
 
 def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int, tokens: list[int],

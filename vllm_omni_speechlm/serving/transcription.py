@@ -27,7 +27,7 @@ from vllm.entrypoints.speech_to_text.transcription.protocol import Transcription
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
-from vllm_omni_speechlm.serving.chat import BadRequest, audio_clip, engine_outputs, is_audio_output
+from vllm_omni_speechlm.serving.chat import BadRequest, audio_clip, engine_outputs, is_audio_output, new_text
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
 
@@ -77,13 +77,19 @@ async def _transcript(engine_client: Any, model: ServedModel, prompt: dict, stag
 async def _events(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str, seconds: float):
     """OpenAI's transcription stream: a `transcript.text.delta` event per new piece of text, then
     `transcript.text.done` with the whole text, then [DONE]."""
-    sent = ""
+    sent = text = ""
     async for text, _ in _texts(engine_client, model, prompt, stage0, request_id):
-        if text != sent:
-            yield f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': text[len(sent):]})}\n\n"
+        if delta := new_text(text, sent):
+            yield _delta_event(delta)
             sent = text
-    done = {"type": "transcript.text.done", "text": sent, "usage": _usage(seconds)}
+    if text != sent:  # the rest, a cut character included
+        yield _delta_event(text[len(sent):])
+    done = {"type": "transcript.text.done", "text": text, "usage": _usage(seconds)}
     yield f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
+
+
+def _delta_event(delta: str) -> str:
+    return f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': delta})}\n\n"
 
 
 def _usage(seconds: float) -> dict:
