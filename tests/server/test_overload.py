@@ -1,14 +1,17 @@
 """`max_pending_requests`: beyond the bound the server refuses at once (429, Retry-After), the
 admitted requests complete, and every place comes back (ended, closed early).
 
-Stage 0 decodes one request at a time, and the first admitted answer is the longest the tiny
-checkpoint's positions allow, closed by the test after the refusals: the other admitted requests
-are sent once it plays, and the refusals once their responses have begun (admitted, waiting in
-stage 0's queue), so the bound is full while they go. (Stage 0's queue gauges in /metrics are no
+Stage 0 decodes one request at a time, and the first admitted answer is a long one the test does
+not read, closed after the refusals: its audio (10 MB) is more than the sockets between server and
+test can buffer, so its body cannot end before then however fast the server decodes. The other
+admitted requests are sent once it plays, and the refusals once their responses have begun
+(admitted, waiting in stage 0's queue), so the bound is full while they go. (Stage 0's queue gauges in /metrics are no
 signal for this: they change only when stage 0 reports, and one scrape can take seconds.) The
 other admitted answers are asked for exactly FRAMES frames (their minimum and maximum), so they
 cannot end early. How fast a refusal comes is not asserted (timing belongs to benchmarks)."""
 
+import json
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +26,8 @@ from vllm_omni_speechlm.config import SpeechLMConfig
 
 LIMIT = 4
 FRAMES = 800
-POSITIONS = 4096  # the tiny checkpoint's max_position_embeddings: stage 0's max_model_len may not pass it
-LONG = POSITIONS - 200  # the longest answer its prompt leaves room for: holds stage 0 ~30 s while the refusals go
+POSITIONS = 16384  # a copy of the tiny checkpoint with these positions (RoPE is computed: no weight depends on them)
+LONG = POSITIONS - 200  # 10 MB of PCM: more than loopback sockets buffer (about 4 MB on Linux)
 BODY = {"input": "Tell me a long story.", "min_audio_frames": FRAMES, "max_audio_frames": FRAMES, "max_new_tokens": FRAMES + 20,
         "cfg_scale": 1.0, "response_format": "pcm", "stream_format": "audio"}
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
@@ -33,12 +36,16 @@ CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def server(tiny_bagpiper, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overload")
+    model = tmp / "model"
+    shutil.copytree(tiny_bagpiper, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": POSITIONS}))
     with open(stage_configs.path("bagpiper_streaming_cpu_tiny.yaml")) as f:
         deploy = yaml.safe_load(f) | {"max_pending_requests": LIMIT}
     deploy["stages"][0]["max_model_len"] = POSITIONS
     deploy["stages"][0]["max_num_seqs"] = 1  # admitted answers queue behind the one that plays
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    yield from start_speechlm_server(tiny_bagpiper, str(tmp / "deploy.yaml"), tmp)
+    yield from start_speechlm_server(str(model), str(tmp / "deploy.yaml"), tmp)
 
 
 def _post_together(client: httpx.Client, path: str, body: dict, start: threading.Barrier) -> httpx.Response:
