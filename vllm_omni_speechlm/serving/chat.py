@@ -241,7 +241,7 @@ async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: 
                 yield event({"audio": {"id": f"audio_{request_id}", "data": base64.b64encode(to_pcm16(chunk)).decode()}})
         elif out.outputs:
             tokens, finish = list(out.outputs[0].token_ids), out.outputs[0].finish_reason or finish
-            text = decode_text(model.tokenizer, tokens, model.cfg)
+            text = decode_text(model.tokenizer, tokens, model.cfg) or ""  # None: no text yet (or ever)
             if delta := new_text(text, sent):
                 yield event({"content": delta})
                 sent = text

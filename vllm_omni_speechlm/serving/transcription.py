@@ -64,7 +64,8 @@ async def _texts(engine_client: Any, model: ServedModel, prompt: dict, stage0: A
     """(transcript so far, finish reason) after each step."""
     async for out in engine_outputs(engine_client, prompt, stage0, "text", request_id):
         if out.outputs and not is_audio_output(out):
-            yield decode_text(model.tokenizer, list(out.outputs[0].token_ids), model.cfg), out.outputs[0].finish_reason
+            text = decode_text(model.tokenizer, list(out.outputs[0].token_ids), model.cfg) or ""  # None: no text yet
+            yield text, out.outputs[0].finish_reason
 
 
 async def _transcript(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str) -> str:
