@@ -191,7 +191,8 @@ SERVER_MEANS = [
     ("tokens_per_step", "vllm:iteration_tokens_total", "stage"),
     ("shm_send_s", "vllm_omni:transfer_tx_s", None),
 ]
-SERVER_COUNTS = [("steps", "vllm:iteration_tokens_total_count"), ("preemptions", "vllm:num_preemptions_total")]
+SERVER_COUNTS = [("steps", "vllm:iteration_tokens_total_count"), ("preemptions", "vllm:num_preemptions_total"),
+                 ("generation_tokens", "vllm:generation_tokens_total")]
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:

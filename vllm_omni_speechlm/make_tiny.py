@@ -267,6 +267,17 @@ def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, spe
     write_hf_tokenizer(build_tokenizer(tiny, text_vocab, merges), tiny, out_dir)
 
 
+def write_released_tokenizer(out_dir: str | os.PathLike) -> None:
+    """A tokenizer over the released Bagpiper layout's ids, for a dummy-weight checkpoint whose
+    text answers are read (transcriptions): the tiny BPE, `<|text_unused_N|>` for the rest of the
+    text range, so every text id a random model samples decodes to text (write_geometry_config's
+    tokenizer knows only the tiny layout's ids)."""
+    layout = bagpiper_layout()
+    text_tok = tiny_text_tokenizer()
+    vocab, merges = backbone_text_vocab(text_tok, layout.text_range[1] - layout.text_range[0])
+    write_hf_tokenizer(build_tokenizer(layout, vocab, merges, base=text_tok), layout, out_dir)
+
+
 def write_served_lm(
     out_dir: str | os.PathLike,
     config: dict,

@@ -375,6 +375,10 @@ def test_chat_streams_text_and_audio(server, reference):
     ref = _reference_heard(reference, None, (samples, 16000), modality="audio", seed=1, max_tokens=60, min_audio_frames=30)
     _assert_pcm_equal(audio, _pcm16(ref.audio))
     assert "usage" not in last
+    # An answer with no text at all: its audio segment fills max_tokens.
+    text, audio, last = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=40,
+                                     min_audio_frames=30, max_audio_frames=30)
+    assert text == "" and audio and last["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_chat_text_only(server, reference):
