@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Protocol
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -248,6 +249,11 @@ def _without_added_tokens(tokenizer: Tokenizer) -> Tokenizer:
         spec["added_tokens"] = []
         cached = _PLAIN[id(tokenizer)] = (tokenizer, Tokenizer.from_str(json.dumps(spec)))
     return cached[1]
+
+
+def has_text(stream0: Sequence[int], cfg: SpeechLMConfig) -> bool:
+    lo, hi = cfg.text_range
+    return any(lo <= t < hi for t in stream0)
 
 
 def decode_text(tokenizer, stream0: list[int], cfg: SpeechLMConfig) -> str | None:

@@ -337,8 +337,8 @@ def test_chat_text_and_audio(server, reference):
         _assert_pcm_equal(w.readframes(w.getnframes()), _pcm16(ref.audio))
 
 
-def _chat_stream(server, parts, **body) -> tuple[str, bytes, dict]:
-    """A streamed chat answer: (its text, its PCM16 audio, the last chunk); audio comes in several
+def _chat_stream(server, parts, **body) -> tuple[str, bytes, list[dict]]:
+    """A streamed chat answer: (its text, its PCM16 audio, its chunks); audio comes in several
     chunks."""
     text, audio, chunks, pieces = "", b"", [], 0
     request = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "stream": True} | body
@@ -354,30 +354,38 @@ def _chat_stream(server, parts, **body) -> tuple[str, bytes, dict]:
             audio, pieces = audio + base64.b64decode(delta["audio"]["data"]), pieces + 1
     assert pieces >= 2 or not audio, pieces
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    return text, audio, chunks[-1]
+    return text, audio, chunks
 
 
 def test_chat_streams_text_and_audio(server, reference):
     """Streamed chat answers equal the reference: text and audio of a text question, and speech in /
     speech out; usage when asked."""
     question = "What time is it?"
-    text, audio, last = _chat_stream(server, question, modalities=["text", "audio"], seed=5, max_tokens=90,
-                                     max_text_tokens=6, audio={"format": "pcm16"},
-                                     stream_options={"include_usage": True})
+    text, audio, chunks = _chat_stream(server, question, modalities=["text", "audio"], seed=5, max_tokens=90,
+                                       max_text_tokens=6, audio={"format": "pcm16"},
+                                       stream_options={"include_usage": True})
+    kinds = [k for c in chunks for k in ("content", "audio") if c["choices"][0]["delta"].get(k)]
+    assert "content" not in kinds[kinds.index("audio"):], kinds  # the text part first, as it is decoded
     ref = reference.generate(encode_prompt(reference.tokenizer, reference.cfg, question),
                              SpeechSamplingParams(modality="text+audio", max_text_tokens=6, seed=5, max_tokens=90))
     assert text == ref.text
     _assert_pcm_equal(audio, _pcm16(ref.audio))
+    last = chunks[-1]
     assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["usage"]["completion_tokens"] > 0
     wav, samples = _audio_file(1.0)
-    text, audio, last = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=60,
-                                     min_audio_frames=30)
+    text, audio, (*_, last) = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=60,
+                                           min_audio_frames=30)
     ref = _reference_heard(reference, None, (samples, 16000), modality="audio", seed=1, max_tokens=60, min_audio_frames=30)
     _assert_pcm_equal(audio, _pcm16(ref.audio))
     assert "usage" not in last
+    # A text answer streams as it is decoded, not at its end in one piece.
+    text, _, chunks = _chat_stream(server, question, seed=2, max_tokens=20, temperature=0.7)
+    ref = reference.generate(encode_prompt(reference.tokenizer, reference.cfg, question),
+                             SpeechSamplingParams(modality="text", text_temperature=0.7, seed=2, max_tokens=20))
+    assert text == ref.text and sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 2, chunks
     # An answer with no text at all: its audio segment fills max_tokens.
-    text, audio, last = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=40,
-                                     min_audio_frames=30, max_audio_frames=30)
+    text, audio, (*_, last) = _chat_stream(server, [_audio_part(wav)], modalities=["audio"], seed=1, max_tokens=40,
+                                           min_audio_frames=30, max_audio_frames=30)
     assert text == "" and audio and last["choices"][0]["finish_reason"] in ("stop", "length")
 
 
@@ -452,6 +460,7 @@ def test_transcriptions(client, reference):
     assert client.audio.transcriptions.create(response_format="text", **kw) == ref.text
     events = list(client.audio.transcriptions.create(stream=True, **kw))
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == ref.text
+    assert len(events) > 2, events  # the text as it is decoded, not at the end in one piece
     assert {e.type for e in events[:-1]} == {"transcript.text.delta"} and events[-1].type == "transcript.text.done"
 
 

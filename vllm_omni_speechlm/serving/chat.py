@@ -43,7 +43,7 @@ from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
 from vllm_omni_speechlm.serving.audio_in import decode_audio, part_audio_bytes
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
-from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
+from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt, has_text
 
 ROUTE = "/v1/chat/completions"
 
@@ -186,15 +186,19 @@ def _audio_chunks(output: Any) -> list[torch.Tensor]:
     return [c.reshape(-1).float().cpu() for c in chunks if isinstance(c, torch.Tensor) and c.numel() > 0]
 
 
-async def engine_outputs(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str):
-    """One request's outputs: stage 0's (cumulative stream-0 tokens) and, for audio, the codec
-    stage's (final_output_type "audio", new audio each)."""
+async def engine_outputs(engine_client: Any, prompt: dict, stage0: Any, modality: str, request_id: str,
+                         stream_text: bool = False):
+    """One request's outputs: stage 0's (its stream-0 tokens: every step's new ones if
+    `stream_text`, else all of them once at the end) and, for audio, the codec stage's
+    (final_output_type "audio", new audio each)."""
     from vllm_omni.entrypoints.utils import coerce_param_message_types
 
     from vllm.sampling_params import RequestOutputKind
 
     defaults = [sp.clone() for sp in engine_client.default_sampling_params_list]
     params = coerce_param_message_types([stage0, *defaults[1:]], is_streaming=False)
+    if stream_text:
+        params[0].output_kind = RequestOutputKind.DELTA
     if len(params) > 1:  # the codec stage streams windows; keep them all (each is new audio)
         params[1].output_kind = RequestOutputKind.DELTA
     modalities = ["text"] if modality == "text" else ["text", "audio"]
@@ -235,13 +239,15 @@ async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: 
     yield event({"role": "assistant", "content": ""})
     sent = text = ""
     tokens, finish = [], None
-    async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id):
+    async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id, stream_text=modality != "audio"):
         if is_audio_output(out):
             for chunk in _audio_chunks(out):
                 yield event({"audio": {"id": f"audio_{request_id}", "data": base64.b64encode(to_pcm16(chunk)).decode()}})
         elif out.outputs:
-            tokens, finish = list(out.outputs[0].token_ids), out.outputs[0].finish_reason or finish
-            text = decode_text(model.tokenizer, tokens, model.cfg) or ""  # none yet (audio first, or audio only)
+            tokens += out.outputs[0].token_ids
+            finish = out.outputs[0].finish_reason or finish
+            if has_text(out.outputs[0].token_ids, model.cfg):
+                text = decode_text(model.tokenizer, tokens, model.cfg)
             if delta := new_text(text, sent):
                 yield event({"content": delta})
                 sent = text

@@ -29,7 +29,7 @@ from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
 from vllm_omni_speechlm.serving.chat import BadRequest, audio_clip, engine_outputs, is_audio_output, new_text
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model
-from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt
+from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt, has_text
 
 ROUTE = "/v1/audio/transcriptions"
 FORMATS = ("json", "text")
@@ -60,17 +60,20 @@ def build_request(request: Any, sent: set[str], data: bytes, model: ServedModel)
     return engine_prompt(ids, params, audio=[clip]), stage0_sampling_params(model.cfg, params), clip[0].size / clip[1]
 
 
-async def _texts(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str):
-    """(transcript so far, finish reason) after each step."""
-    async for out in engine_outputs(engine_client, prompt, stage0, "text", request_id):
+async def _texts(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str, stream: bool):
+    """(transcript so far, finish reason) after each step if `stream`, else once at the end."""
+    tokens, text = [], ""
+    async for out in engine_outputs(engine_client, prompt, stage0, "text", request_id, stream_text=stream):
         if out.outputs and not is_audio_output(out):
-            text = decode_text(model.tokenizer, list(out.outputs[0].token_ids), model.cfg) or ""  # no text id yet
+            tokens += out.outputs[0].token_ids
+            if has_text(out.outputs[0].token_ids, model.cfg):
+                text = decode_text(model.tokenizer, tokens, model.cfg)
             yield text, out.outputs[0].finish_reason
 
 
 async def _transcript(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str) -> str:
     text = ""
-    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id):
+    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id, stream=False):
         pass
     return text
 
@@ -79,7 +82,7 @@ async def _events(engine_client: Any, model: ServedModel, prompt: dict, stage0: 
     """OpenAI's transcription stream: a `transcript.text.delta` event per new piece of text, then
     `transcript.text.done` with the whole text, then [DONE]."""
     sent = text = ""
-    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id):
+    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id, stream=True):
         if delta := new_text(text, sent):
             yield _delta_event(delta)
             sent = text
