@@ -111,4 +111,7 @@ class BagpiperForCausalLM(SpeechLMForCausalLM, SupportsMultiModal):
             return embeds
         if not isinstance(multimodal_embeddings, torch.Tensor):
             multimodal_embeddings = torch.cat(list(multimodal_embeddings))
-        return embeds.masked_scatter(is_multimodal.unsqueeze(-1), multimodal_embeddings.to(embeds.dtype))
+        # vLLM hands the mask on the host (indexing with it needs no device sync; masked_scatter
+        # would need it on the embeddings' device).
+        embeds[is_multimodal] = multimodal_embeddings.to(embeds.dtype)
+        return embeds
