@@ -161,6 +161,8 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     extra = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
     if args.no_step_graphs:
         extra["additional_config"] = {STEP_GRAPHS_KEY: False}
+    if args.no_audio_input:
+        extra["limit_mm_per_prompt"] = {"audio": 0}  # vLLM's text-only mode: no tower, no multimodal path
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **extra)
 
     def requests(prompts: list[list[int]], cfg_scale: float = 1.0) -> list[dict]:
@@ -226,6 +228,7 @@ def main() -> None:
     ap.add_argument("--speech-worker-cls", help="stage-0 worker (A/B: vllm_omni.worker.gpu_ar_worker.GPUARWorker, the stock one)")
     ap.add_argument("--runs", nargs="+", default=["text", "speech"], choices=["text", "omni-text", "speech"])
     ap.add_argument("--no-step-graphs", action="store_true", help="stage 0 without its step graphs (same-build A/B)")
+    ap.add_argument("--no-audio-input", action="store_true", help="stage 0 without audio input (limit_mm_per_prompt audio 0)")
     ap.add_argument("--seed", type=int, help="every timed request of both engines seeded (the seeded sampling paths)")
     ap.add_argument("--omni-model-runner", choices=["v1", "v2"], default="v1", help="the omni-text stage's runner (V1 or Model Runner V2)")
     ap.add_argument("--previous", help="an earlier report of the same settings: its engines' results join this one's")

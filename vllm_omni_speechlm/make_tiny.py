@@ -252,8 +252,11 @@ def write_geometry_config(out_dir: str | os.PathLike, geo: BackboneGeometry, spe
     """config.json + tokenizer of the released Bagpiper layout at geometry `geo`, no weights: for
     `load_format="dummy"` engines. speech=False writes the plain Qwen3 text LM of the same
     backbone and vocabulary (the benchmarks' baseline). The tokenizer is the tiny one (prompts
-    are token ids; it only has to load)."""
+    are token ids; it only has to load). The tiny geometry gets the tiny audio tower (a CPU run
+    need not build the released 32-layer one)."""
     layout = bagpiper_layout()
+    if geo == BackboneGeometry():
+        layout = dataclasses.replace(layout, audio_input=AudioInputSpec(tower=TINY_AUDIO_TOWER))
     family = FAMILIES["bagpiper"]
     config = backbone_config(layout, geo, family.model_type, family.arch if speech else "Qwen3ForCausalLM")
     config["dtype"] = "bfloat16"
