@@ -141,6 +141,7 @@ HOOKS = (
     Hook("vllm.v1.worker.gpu_worker:Worker", "compile_or_warm_up_model", "override", "self"),
     Hook("vllm.model_executor.warmup.jit_warmup", "jit_warmup_registry", "attribute"),  # set on runners
     Hook("vllm.model_executor.warmup.jit_warmup:JitWarmupRegistry", "_registrations", "attribute"),
+    Hook("vllm.v1.sample.ops.topk_topp_sampler", "compiled_random_sample", "call", "logits"),  # CPU worker
     # audio input through vLLM's multimodal processing (models/audio_processor.py, models/bagpiper.py)
     Hook(_MM_PROC, "_get_mm_fields_config", "override", "self, hf_inputs, hf_processor_mm_kwargs"),
     Hook(_MM_PROC, "_get_prompt_updates", "override", "self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs"),
@@ -158,6 +159,7 @@ HOOKS = (
     Hook("vllm.v1.worker.cpu_model_runner", "_torch_cuda_wrapper", "call", ""),
     Hook("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_tensors", "call", "self"),
     Hook("vllm.v1.worker.cpu_worker:CPUWorker", "init_device", "override", "self"),
+    Hook("vllm.v1.worker.cpu_worker:CPUWorker", "compile_or_warm_up_model", "override", "self"),
     Hook("vllm_omni.platforms.interface:OmniPlatform", "_omni_enum", "attribute"),  # platforms/cpu.py
     # engine start (this module)
     Hook("vllm_omni.engine.omni_engine_base:OmniEngineBase", "__init__", "override",
@@ -398,6 +400,17 @@ def drop_sampler_jit_warmup(model_runner: Any) -> list[str]:
     for kernel in dropped:
         del kernels[kernel]
     return [getattr(k, "__name__", type(k).__name__) for k in dropped]
+
+
+def compile_cpu_random_sample(vocab_size: int) -> None:
+    """vLLM's CPU sampler compiles `compiled_random_sample` (torch.compile) at its first unseeded
+    random sample: seconds of Inductor's C++ build inside the first request. Compile it now, for
+    one row and for more (dynamo specializes a size of 1)."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample
+
+    for rows in (1, 2):
+        compiled_random_sample(torch.zeros(rows, vocab_size))
 
 
 # ---- concurrent stage start ---------------------------------------------------------------

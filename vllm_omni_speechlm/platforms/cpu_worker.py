@@ -14,7 +14,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
-from vllm_omni_speechlm.compat import building_cpu_runner, torch_cuda_wrapper
+from vllm_omni_speechlm.compat import building_cpu_runner, compile_cpu_random_sample, torch_cuda_wrapper
 from vllm_omni_speechlm.stage0.runner import SpeechLMRunnerMixin
 
 
@@ -74,3 +74,7 @@ class CPUSpeechLMARWorker(CPUARWorker):
     """Worker for the speech LM stage on CPU (deploy YAMLs select it under `platforms: cpu:`)."""
 
     model_runner_cls = CPUSpeechLMARModelRunner
+
+    def compile_or_warm_up_model(self) -> Any:
+        compile_cpu_random_sample(self.model_config.get_vocab_size())  # before vLLM resets the seed
+        return super().compile_or_warm_up_model()
