@@ -5,9 +5,9 @@ Stage 0 decodes one request at a time, and the first admitted answer is a long o
 not read, closed after the refusals: its audio (10 MB) is more than the sockets between server and
 test can buffer, so its body cannot end before then however fast the server decodes. The other
 admitted requests are sent once it plays, and the refusals once their responses have begun
-(admitted, waiting in stage 0's queue), so the bound is full while they go. (Stage 0's queue gauges in /metrics are no
-signal for this: they change only when stage 0 reports, and one scrape can take seconds.) The
-other admitted answers are asked for exactly FRAMES frames (their minimum and maximum), so they
+(admitted, waiting in stage 0's queue), so the bound is full while they go. (Stage 0's queue
+gauges in /metrics are no signal for this: they change only when stage 0 reports, and one scrape
+can take seconds.) The other admitted answers are asked for exactly FRAMES frames (their minimum and maximum), so they
 cannot end early. How fast a refusal comes is not asserted (timing belongs to benchmarks)."""
 
 import json

@@ -59,6 +59,10 @@ class CPUARWorker(_CPUOmniWorker):
 
     model_runner_cls = CPUARModelRunner
 
+    def compile_or_warm_up_model(self) -> Any:
+        compile_cpu_random_sample(self.model_config.get_vocab_size())  # before vLLM resets the seed
+        return super().compile_or_warm_up_model()
+
 
 class CPUGenerationWorker(_CPUOmniWorker):
     """Worker for ``StageExecutionType.LLM_GENERATION`` stages on CPU."""
@@ -74,7 +78,3 @@ class CPUSpeechLMARWorker(CPUARWorker):
     """Worker for the speech LM stage on CPU (deploy YAMLs select it under `platforms: cpu:`)."""
 
     model_runner_cls = CPUSpeechLMARModelRunner
-
-    def compile_or_warm_up_model(self) -> Any:
-        compile_cpu_random_sample(self.model_config.get_vocab_size())  # before vLLM resets the seed
-        return super().compile_or_warm_up_model()
