@@ -233,6 +233,12 @@ class DecodingRules:
         if dec.drain:
             defer[P.AUDIO] = True
         self.defer_eos_by_phase = defer.to(device)
+        # Phases from which a text row is at most two rows away (TextRowsWatch): a text
+        # segment, a text drain, or between segments. From AUDIO the nearest is four rows on
+        # (eot, <|assistant|>, the modality choice, text); START takes the enforced modality.
+        soon = torch.zeros(len(P), dtype=torch.bool)
+        soon[[P.TEXT, P.TEXT_DRAIN, P.TRANSITION, P.AFTER_ASSISTANT]] = True
+        self.text_soon_by_phase = soon.to(device)
 
     # ---- phases ---------------------------------------------------------------------------
     def row_kinds(

@@ -93,6 +93,27 @@ def _assert_batch_equals_solo_runs(generator, reference) -> None:
         _assert_same(generator.result(out), reference.generate(prompt_ids, SpeechSamplingParams(**kw)))
 
 
+def _narrow_steps(model) -> int:
+    return model.steps.num_narrow_steps
+
+
+def test_audio_answers_that_turn_to_text_match_reference(generator, reference):
+    """Audio answers in one batch, two of which end their audio with eot and go on in text
+    (parallel rules; seed 2: from rows 13 and 9): the steps before skip the text columns
+    (`TextRowsWatch`), the text rows get the whole vocabulary, and every stream of every answer
+    equals its reference."""
+    before = worker_sum(generator.omni, _narrow_steps)
+    kw = dict(modality="audio", seed=2, min_audio_frames=4, max_audio_frames=40, max_text_tokens=6, max_tokens=48)
+    prompts = [generator.encode(prompt, None) for prompt in PROMPTS]
+    results = generator.run([generator.engine_request(ids, SpeechSamplingParams(**kw)) for ids in prompts])
+    refs = [reference.generate(ids, SpeechSamplingParams(**kw)) for ids in prompts]
+    lo, hi = generator.cfg.text_range
+    assert sum(any(lo <= t < hi for t in ref.tokens[:, 0].tolist()) for ref in refs) == 2
+    for result, ref in zip(results, refs):
+        _assert_same(result, ref)
+    assert worker_sum(generator.omni, _narrow_steps) - before >= 4
+
+
 def _compile_step_functions(backend, model) -> int:
     """Compile with `backend` (None: eager) and warm up as vLLM's dummy sampler run does on CUDA;
     -> graphs compiled."""

@@ -214,3 +214,41 @@ def test_the_wire_form_carries_every_option_but_the_seed():
     assert SpeechSamplingParams.from_info(None) == SpeechSamplingParams()
     with pytest.raises(ValueError, match="^cfg_scale"):
         SpeechSamplingParams.from_info({SPEECH_PARAMS_KEY: {"cfg_scale": float("nan")}})
+
+
+@pytest.mark.parametrize("family", ["bagpiper", "opuslm"])
+def test_text_rows_are_two_notes_away(family):
+    """`TextRowsWatch`'s premise: a text row is computed only in a phase `text_soon_by_phase`
+    marks, and so is the row before it (a step may read the note of the advance before last).
+    Random audio answers (the other modes are text-capable on the host from the start), each
+    row's token drawn from what its kind allows, segment markers often."""
+    from vllm_omni_speechlm.config import opuslm_layout
+
+    cfg = CFG if family == "bagpiper" else opuslm_layout("opuslm", text_vocab_size=300)
+    rules, g = DecodingRules(cfg), torch.Generator().manual_seed(0)
+    text_kinds = (int(K.TEXT), int(K.TEXT_NO_END))
+    sp = cfg.specials
+    markers = torch.tensor([sp.eos, sp.eot, sp.text, sp.audio, sp.assistant])
+    text_rows = 0
+    for walk in range(300):
+        p = SpeechSamplingParams(min_audio_frames=walk % 3, min_text_tokens=walk % 2, max_audio_frames=6, max_text_tokens=4)
+        rows = RowSampling.from_values([p.resolve(cfg).row_values()], "cpu")
+        phase, step, seg = torch.tensor([int(P.START)]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        m = torch.tensor([int(M.AUDIO)])
+        soon = []  # the note after each row: whether its next row's phase is text-soon
+        for _ in range(30):
+            if int(phase) in (P.DONE, P.FINAL):
+                break
+            kind = rules.row_kinds(phase, m, seg, step, rows)
+            if int(kind) in text_kinds:
+                text_rows += 1
+                assert soon[-2:] == [True, True][: len(soon[-2:])] and len(soon) >= 2
+            allowed = torch.isfinite(rules.mask_bias[kind[0]]).nonzero().squeeze(1)
+            marked = allowed[torch.isin(allowed, markers)]  # drawn often: they change the phase
+            pool = marked if len(marked) and torch.rand(1, generator=g) < 0.3 else allowed
+            tok = pool[torch.randint(len(pool), (1,), generator=g)]
+            tok = rules.emitted_token(phase, step, m, seg, tok)
+            phase, step, seg, _ = rules.step(phase, step, m, seg, tok, rows)
+            soon.append(bool(rules.text_soon_by_phase[phase]))
+    if cfg.decoding.parallel_segments:
+        assert text_rows > 50  # audio answers did turn to text

@@ -48,9 +48,10 @@ class RequestTable:
         self.max_output_len = max_output_len
         self.entries: dict[str, RequestEntry] = {}
         self.num_companions = 0
-        self.num_text_capable = 0  # live requests whose modality may produce text rows
+        self.num_text_capable = 0  # live requests whose modality enforces or allows text at once
         self.num_released = 0  # requests released so far (a step's rows read before are stale)
         self._admitted: list[tuple[int, int, tuple, tuple]] = []  # slot, mode, ints, floats: not yet written
+        self._released: list[int] = []  # slots whose phase is not yet reset (TextRowsWatch reads all)
         self.generation = -1  # bumped by each allocation (step graphs hold the tables' addresses)
         self._allocate(capacity)
 
@@ -100,15 +101,25 @@ class RequestTable:
         self._admitted.append((slot, int(params.modality), ints, tuple(getattr(v, n) for n in FLOAT_FIELDS)))
         return entry
 
-    def text_capable(self, params: SpeechSamplingParams) -> bool:
-        """Whether a request may have text rows. Under the parallel rules an audio answer that
-        ends with eot goes on with a segment of the model's choice, which may be text."""
-        return params.modality != OutputMode.AUDIO or self.cfg.decoding.parallel_segments
+    @staticmethod
+    def text_capable(params: SpeechSamplingParams) -> bool:
+        """Whether a request may have a text row within its first rows. An audio answer may
+        reach text only after its audio segment ends (parallel rules): `TextRowsWatch` sees that
+        coming from the device phases."""
+        return params.modality != OutputMode.AUDIO
+
+    def text_soon(self, rules) -> torch.Tensor:
+        """[] bool: any slot's phase is at most two rows from a text row (released slots are
+        reset to START, the scratch slot is left out)."""
+        return rules.text_soon_by_phase[self.phase[: self.capacity]].any()
 
     def write_admitted(self) -> None:
         """The table rows of the requests admitted since the last call. One copy per table: a
         blocking copy per request (a host tensor written into a device one) would wait for the
         step's forward each time."""
+        if self._released:
+            self.phase[to_device(self._released, self.device)] = int(Phase.START)
+            self._released = []
         if not self._admitted:
             return
         slots, modes, ints, floats = zip(*self._admitted)
@@ -127,6 +138,7 @@ class RequestTable:
             if entry is not None:
                 self.num_released += 1
                 self.free.append(entry.slot)
+                self._released.append(entry.slot)
                 self.num_companions -= entry.guided_by is not None
                 self.num_text_capable -= self.text_capable(entry.params)
 

@@ -43,6 +43,7 @@ from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
 from vllm_omni_speechlm.frames import FRAME_ROWS_KWARG, FrameRows
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable, to_device
 from vllm_omni_speechlm.models.step_graphs import Recorder, StepGraphs, cuda_graph
+from vllm_omni_speechlm.models.text_rows import TextRowsWatch
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 logger = init_logger(__name__)
@@ -128,6 +129,8 @@ class SpeechLMSteps:
         self.num_resumed = 0  # re-prefills after preemption (observability, tests)
         self.num_resumed_companions = 0
         self.num_graph_staged_steps = 0  # steps whose aux input the step graphs staged
+        self.num_narrow_steps = 0  # steps whose stream-0 logits skipped the text columns
+        self.text_rows: TextRowsWatch | None = None
         self.compile_step_functions(step_compile_backend(vllm_config))
 
     def compile_step_functions(self, backend: str | Callable | None) -> None:
@@ -147,6 +150,7 @@ class SpeechLMSteps:
             device = self.model.lm_head.weight.device
             self.rules = DecodingRules(self.speech, device)
             self.table = RequestTable(self.speech, *self._table_shape, device)
+            self.text_rows = TextRowsWatch(device)
             if self._graph_sizes:
                 self.graphs = StepGraphs(self, self._graph_sizes)
         return self.table, self.rules
@@ -267,7 +271,8 @@ class SpeechLMSteps:
         if step.max_top_k is None:
             step.max_top_k = max(e.max_top_k for e in step.entries)
         generated = np.minimum(step.generated, table.max_output_len - 1)
-        no_text_rows = table.num_text_capable == 0
+        no_text_rows = table.num_text_capable == 0 and not self.text_rows.text_rows_possible()
+        self.num_narrow_steps += no_text_rows
         step.guided = self._guided_rows(step, device) if table.num_companions else None
         all_sample = all(step.samples)
         if self.graphs is not None and step.guided is None and all_sample:
@@ -384,6 +389,7 @@ class SpeechLMSteps:
             sampled[companion] = sampled[main]
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self.frames_host.copy_(frames, non_blocking=True)
+        self.text_rows.publish()
         step.sampled = None
         return out
 
@@ -401,6 +407,7 @@ class SpeechLMSteps:
         ended_rows[rows] = ended
         aux_input = self.model.aux_input[: token.shape[0]]
         aux_input.copy_(torch.where(ended_rows[:, None], 0.0, aux_input))
+        self.text_rows.flag.copy_(table.text_soon(self.rules))
         return token
 
     def _advance_rows_eager(
