@@ -296,15 +296,18 @@ class TransferManager:
         self.request_payload = {}
 
 
-def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None):
+def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None,
+                   rate: int | None = None):
     """Run the processor over [L, S] step rows the way the adapter does, each step offered to the
-    scheduler's `WindowGate` first when `gated`. Returns (payloads sent, processor calls)."""
+    scheduler's `WindowGate` first when `gated`; `first` / `rate`: the request's first window and
+    output rate. Returns (payloads sent, processor calls)."""
     from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.resample import RATE_KEY
     from vllm_omni_speechlm.stage0.window_gate import WindowGate
     from vllm_omni_speechlm.stage_input_processors import speech_codec
     from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
-    info = None if first is None else {INITIAL_CHUNK_KEY: first}
+    info = {k: v for k, v in ((INITIAL_CHUNK_KEY, first), (RATE_KEY, rate)) if v is not None} or None
     request = SimpleNamespace(external_req_id=req_id, additional_information=info, output_token_ids=[])
     gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm)) if gated else None
     sent, calls = [], 0

@@ -51,7 +51,8 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
 @dataclass(frozen=True)
 class Hook:
     """`owner.name` ("module:Class", or "module" for a module-level name), as the project uses it
-    (`use`: "override", "call", "attribute", or "restated": a rule this project repeats). `params`: a callable's parameters as written
+    (`use`: "override", "call", "attribute", "restated": a rule this project repeats, or "relied": a
+    behaviour it depends on without calling). `params`: a callable's parameters as written
     against (names, defaults, `*` / `**` markers; no annotations), None for an attribute."""
 
     owner: str
@@ -105,6 +106,9 @@ HOOKS = (
     Hook(_ADAPTER, "code_prompt_token_ids", "attribute"),
     Hook(_ADAPTER, "request_payload", "attribute"),
     Hook(_ADAPTER, "connector", "attribute"),
+    # merges a payload's top-level keys into the next stage's runtime information (window_payload)
+    Hook(_ADAPTER, "_commit_received_chunk", "relied",
+         "self, request, result, *, stage_id, req_id, chunk_id, connector_get_key"),
     # stage-0 runner (stage0/runner.py, stage0/runner_loops.py)
     Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_build_model_kwargs_extra", "override", "self"),
     Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_sync_local_stage_payloads", "call", "self"),
@@ -168,9 +172,6 @@ HOOKS = (
     # API server (serving/)
     Hook("vllm_omni.entrypoints.openai.api_server", "router", "attribute"),  # dispatch_route, add_post_route
     Hook("vllm_omni.entrypoints.openai.api_server", "args", "attribute"),  # app.state.args: served_deploy_config
-    Hook("vllm_omni.entrypoints.openai.audio_utils_mixin:AudioMixin", "_resample_audio", "override",
-         "audio_tensor, source_rate, target_rate"),  # whole_answers_resampled_as_streams
-    Hook("vllm_omni.utils.audio_resample:StreamingAudioResampler", "process", "call", "self, audio, *, final=False"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_supported_speakers", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "_load_codec_frame_rate", "override", "self"),
     Hook("vllm_omni.entrypoints.openai.tts_adapters.base:TTSModelAdapter", "validate", "override", "self, request"),
@@ -301,6 +302,26 @@ def building_cpu_runner(runner_cls: type) -> Iterator[None]:
         cpu_worker.CPUModelRunner = original
 
 
+@functools.lru_cache(maxsize=8)
+def _payload_cls(keys: tuple[str, ...]) -> type:
+    import msgspec
+    from vllm_omni.data_entry_keys import OmniPayloadStruct
+
+    fields = [(key, int | None, None) for key in keys]
+    return msgspec.defstruct("SpeechLMWindowPayload", fields, bases=(OmniPayloadStruct,), kw_only=True)
+
+
+def window_payload(codes: Any, meta: Any, **info: int) -> Any:
+    """An async_chunk payload (`codes`, `meta`) that also hands the next stage the integers `info`
+    as top-level keys of its runtime information. vllm-omni's payload schema has no free field,
+    but its receiving adapter merges every top-level key of a payload into that information
+    (`_commit_received_chunk`); the wire is type-erased, so a subclass's extra fields arrive."""
+    from vllm_omni.data_entry_keys import OmniPayloadStruct
+
+    cls = _payload_cls(tuple(sorted(info))) if info else OmniPayloadStruct
+    return cls(codes=codes, meta=meta, **info)
+
+
 def torch_cuda_wrapper() -> contextlib.AbstractContextManager:
     """vLLM's fake of `torch.Event` / `torch.cuda.Stream` for building a GPU runner on CPU."""
     from vllm.v1.worker.cpu_model_runner import _torch_cuda_wrapper
@@ -353,22 +374,6 @@ def add_post_route(path: str, endpoint: Callable[..., Any]) -> None:
     if any(isinstance(r, APIRoute) and r.path == path and "POST" in r.methods for r in api_server.router.routes):
         return
     api_server.router.add_api_route(path, with_cancellation(load_aware_call(endpoint)), methods=["POST"])
-
-
-def _resample_as_stream(audio_tensor: Any, source_rate: int, target_rate: int) -> Any:
-    from vllm_omni.utils.audio_resample import StreamingAudioResampler
-
-    if source_rate == target_rate:
-        return audio_tensor
-    return StreamingAudioResampler(source_rate, target_rate).process(audio_tensor, final=True)
-
-
-def whole_answers_resampled_as_streams(serving_speech: Any) -> None:
-    """Make vllm-omni's speech handler resample a whole answer with the resampler it streams with.
-    It resamples a stream with its chunk-invariant polyphase filter and a whole answer with
-    torchaudio's, so the two differ; with one filter, a stream is the whole answer's samples.
-    The handler serves one model: this server's speech LM. Idempotent."""
-    serving_speech._resample_audio = _resample_as_stream
 
 
 # ---- JIT warm-up ----------------------------------------------------------------------------

@@ -138,6 +138,7 @@ def test_handoff_is_one_whole_clip_window(tiny_bagpiper, reference):
     """The prompt is the reference's [T, Q] codes, frame-major, context 0 / holdback 0, and the
     codec stage decodes it to the reference's audio."""
     from vllm_omni_speechlm.models.codec_stage import BagpiperCodecDecoder
+    from vllm_omni_speechlm.resample import RATE_KEY, resample
     from vllm_omni_speechlm.tokenizer import encode_prompt
 
     ids = encode_prompt(reference.tokenizer, reference.cfg, PROMPTS[2], system=SYSTEM)
@@ -149,6 +150,12 @@ def test_handoff_is_one_whole_clip_window(tiny_bagpiper, reference):
     with torch.inference_mode():
         [audio] = stage.decode_windows([torch.tensor(prompt["prompt_token_ids"])], [prompt["additional_information"]])
     torch.testing.assert_close(audio, ref.audio, atol=ATOL, rtol=0)
+    # The rate the stage-0 prompt asked for reaches the codec stage, which resamples the clip.
+    asked = {"prompt_token_ids": ids, "additional_information": {RATE_KEY: 24000}}
+    [prompt] = speech_codec.speechlm2codec([_source(ref.tokens)], asked, target_model_config=model_config)
+    with torch.inference_mode():
+        [audio] = stage.decode_windows([torch.tensor(prompt["prompt_token_ids"])], [prompt["additional_information"]])
+    torch.testing.assert_close(audio, resample(ref.audio.float(), 16000, 24000), atol=ATOL, rtol=0)
     # Unfinished outputs, text-only answers and empty payloads make no prompt.
     assert speech_codec.speechlm2codec([_source(ref.tokens, finished=False)], target_model_config=model_config) == []
     s0 = reference.cfg.streams[0]

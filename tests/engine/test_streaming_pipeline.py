@@ -216,12 +216,16 @@ def test_generator_stream_closed_early_aborts(gen, reference):
 
 
 def _decode(tiny_bagpiper, payloads) -> torch.Tensor:
+    """Stage 1 on the payloads, each as the receiving adapter hands it over: its wire form's
+    top-level keys (meta, an output rate) become the runtime information."""
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
     from vllm_omni_speechlm.models.codec_stage import BagpiperCodecDecoder
 
     stage = BagpiperCodecDecoder.from_model_dir(tiny_bagpiper)
     windows = [p.codes.audio for p in payloads]
-    infos = [{"meta": {"left_context_size": p.meta.left_context_size,
-                       "right_holdback_size": p.meta.right_holdback_size}} for p in payloads]
+    infos = [{k: v for k, v in OmniSerializer.deserialize(OmniSerializer.serialize(p)).items() if k != "codes"}
+             for p in payloads]
     with torch.inference_mode():
         return torch.cat(stage.decode_windows(windows, infos))
 
@@ -268,6 +272,21 @@ def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
         assert err < ATOL
     else:
         assert err > 100 * ATOL
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 48000])
+def test_windows_resampled_tile_the_whole_clip_resampled(tiny_bagpiper, long_clip, rate):
+    """At a rate asked for, each window is resampled whole (its context and holdback reach across
+    the kept edges) and trimmed: joined, the whole clip resampled by torchaudio, to float rounding,
+    with no state kept from one window to the next."""
+    import torchaudio
+
+    payloads, _ = feed_processor(TransferManager(tiny_bagpiper), long_clip.tokens, first=2, rate=rate)
+    assert len(payloads) >= 5
+    streamed = _decode(tiny_bagpiper, payloads)
+    want = torchaudio.functional.resample(long_clip.audio.float(), 16000, rate)
+    assert streamed.shape == want.shape == (long_clip.audio.numel() * rate // 16000,)
+    torch.testing.assert_close(streamed, want, atol=ATOL, rtol=0)
 
 
 def test_processor_streams_each_audio_segment_on_its_own(tiny_bagpiper, reference):

@@ -147,32 +147,55 @@ def test_model_options_reach_the_model(client, reference):
     assert client.audio.speech.create(**_speech(client, seed=5, max_new_tokens=60, cfg_scale=3.0)).content == got
 
 
+def _wav_parts(data: bytes) -> tuple[bytes, bytes]:
+    """(fmt chunk, PCM data) of a WAV: whole (sizes set) or streamed (data size 0xFFFFFFFF: to the end)."""
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    pos, fmt = 12, b""
+    while pos + 8 <= len(data):
+        kind, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        if kind == b"data":
+            return fmt, data[pos + 8:] if size == 0xFFFFFFFF else data[pos + 8:pos + 8 + size]
+        fmt = data[pos + 8:pos + 8 + size] if kind == b"fmt " else fmt
+        pos += 8 + size + size % 2
+    raise AssertionError("no data chunk")
+
+
+def _streamed(client, kw, **extra) -> bytes:
+    with client.audio.speech.with_streaming_response.create(**(kw | extra)) as resp:
+        return b"".join(resp.iter_bytes())
+
+
 @pytest.mark.parametrize("rate", [8000, 24000])
-def test_output_sample_rate(client, rate):
-    """`sample_rate` resamples the 16 kHz codec output, streamed or not: WAV header and length
-    follow, and a stream carries the whole answer's samples (both through vllm-omni's
-    chunk-invariant polyphase resampler)."""
-    from vllm_omni.utils.audio_resample import StreamingAudioResampler
+def test_output_sample_rate(client, reference, rate):
+    """`sample_rate`: the codec stage resamples each window, so every way of asking carries the
+    same samples, byte for byte: whole pcm and wav, a raw stream (pcm, wav: the same header but
+    for its unknown sizes) and SSE deltas. There are n16k * rate / 16000 of them: the reference's
+    clip resampled whole by torchaudio, up to PCM16 rounding. flac holds them too (to libsndfile's
+    FLAC rounding), mp3 and opus come at that rate."""
+    import soundfile
+    import torchaudio
 
     kw = _speech(client, sample_rate=rate)
-    base = np.frombuffer(client.audio.speech.create(**_speech(client)).content, dtype=np.int16) / 32768.0
-    wav = client.audio.speech.create(**(kw | {"response_format": "wav"})).content
-    with wave.open(io.BytesIO(wav)) as w:
-        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (rate, 1, 2)
-        whole = w.readframes(w.getnframes())
-    pcm = client.audio.speech.create(**(kw | {"response_format": "pcm"})).content
-    with client.audio.speech.with_streaming_response.create(**kw, stream_format="audio") as resp:
-        streamed = b"".join(resp.iter_bytes())
-    assert streamed == pcm == whole
-    got = np.frombuffer(whole, dtype=np.int16) / 32768.0
-    assert got.size == base.size * rate // 16000
-    want = StreamingAudioResampler(16000, rate).process(base.astype(np.float32), final=True)
-    # Compared away from samples the 16 kHz PCM16 clipped (the server resamples the unclipped audio).
-    clipped = np.convolve(np.abs(base) >= 32767 / 32768, np.ones(129), mode="same") > 0
-    keep = ~clipped[np.arange(got.size) * 16000 // rate]
-    assert keep.mean() > 0.5
-    want = np.clip(want, -1.0, 32767 / 32768)  # the resampled audio clips in PCM16 too
-    assert np.abs(got - want)[keep].max() < 4 / 32768  # PCM16 rounding, before and after
+    pcm = client.audio.speech.create(**kw).content
+    clip = reference.generate(encode_prompt(reference.tokenizer, reference.cfg, TEXT, system=DEFAULT_SYSTEM),
+                              SpeechSamplingParams(modality="audio", seed=3, max_tokens=120)).audio
+    assert clip.numel() * rate % 16000 == 0 and len(pcm) == 2 * clip.numel() * rate // 16000
+    _assert_pcm_equal(pcm, _speech_pcm16(torchaudio.functional.resample(clip.float(), 16000, rate)))
+
+    fmt, data = _wav_parts(client.audio.speech.create(**(kw | {"response_format": "wav"})).content)
+    streamed_fmt, streamed = _wav_parts(_streamed(client, kw, response_format="wav", stream_format="audio"))
+    assert fmt == streamed_fmt and int.from_bytes(fmt[4:8], "little") == rate and data == streamed == pcm
+    assert _streamed(client, kw, stream_format="audio") == pcm
+    events = [json.loads(line[6:]) for line in _streamed(client, kw, stream_format="sse").decode().splitlines()
+              if line.startswith("data: ")]
+    assert b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta") == pcm
+    flac = client.audio.speech.create(**(kw | {"response_format": "flac"})).content
+    flac, flac_rate = soundfile.read(io.BytesIO(flac), dtype="int16")
+    assert flac_rate == rate
+    _assert_pcm_equal(flac.tobytes(), np.frombuffer(pcm, dtype=np.int16))  # libsndfile's FLAC rounds its own way
+    for lossy in ("mp3", "opus"):
+        info = soundfile.info(io.BytesIO(client.audio.speech.create(**(kw | {"response_format": lossy})).content))
+        assert info.samplerate == rate and abs(info.duration - len(pcm) / 2 / rate) < 0.1, (lossy, info)
 
 
 def test_usage_block(server, reference):
@@ -227,6 +250,7 @@ BAD_SPEECH = [
     ({"input": "Hi", "voice": "alloy"}, "voice"),
     ({"input": "Hi", "speed": 1.5}, "speed"),
     ({"input": "Hi", "sample_rate": 12345}, "sample_rate"),
+    ({"input": "Hi", "sample_rate": 22050, "response_format": "opus"}, "sample_rate"),  # Opus has no 22.05 kHz
     # the model's options at the top level are validated as in extra_params; other unknown fields fail
     ({"input": "Hi", "cfg_scale": 0.5}, "cfg_scale"),
     ({"input": "Hi", "cfg_scale": "nan"}, "cfg_scale"),
@@ -294,18 +318,18 @@ def test_bad_json(server, path):
         assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text[:200])
 
 
-UNSERVED = [
-    ("/v1/audio/speech/batch", {"items": [{"input": "Hi", "cfg_scale": 3}]}, "/v1/audio/speech"),
-    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "Hi"}]]}, "/v1/chat/completions"),
-    ("/v1/audio/generate", {"input": "rain on a roof"}, "/v1/audio/speech"),
+UNSERVED = [  # (route, body, what the refusal names)
+    ("/v1/audio/speech/batch", {"items": [{"input": "Hi", "seed": 1, "cfg_scale": 3}]}, ("seed", "/v1/audio/speech")),
+    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "Hi"}]]}, ("/v1/chat/completions",)),
+    ("/v1/audio/generate", {"input": "rain on a roof"}, ("/v1/audio/speech",)),
 ]
 
 
-@pytest.mark.parametrize("path, body, instead", UNSERVED, ids=[p for p, _, _ in UNSERVED])
-def test_unserved_routes_say_which_route_to_use(server, path, body, instead):
+@pytest.mark.parametrize("path, body, names", UNSERVED, ids=[p for p, _, _ in UNSERVED])
+def test_unserved_routes_say_which_route_to_use(server, path, body, names):
     resp = _post(server, path, body)
     assert resp.status_code == 404, (resp.status_code, resp.text[:300])
-    assert path in resp.json()["error"]["message"] and instead in resp.json()["error"]["message"]
+    assert all(name in resp.json()["error"]["message"] for name in (path, *names)), resp.text[:300]
 
 
 # ---- chat completions: text and audio of one request -------------------------------------------

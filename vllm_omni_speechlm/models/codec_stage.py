@@ -7,9 +7,11 @@ prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_c
 step, windows of equal length together in one batched codec call (unequal lengths are not padded:
 padding frames would change the last real frames' audio, which at a clip's end is kept), and
 returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
-(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`). A
-streamed window lies inside one audio segment; the whole-answer hand-off's single window lists its
-segments' lengths (`meta.segment_frames`), and each segment is decoded on its own.
+(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`), or at the
+rate the request asked for (`resample.py`: each window resampled whole, then trimmed), reported as
+its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
+window lists its segments' lengths (`meta.segment_frames`), and each segment is decoded (and
+resampled) on its own.
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -27,6 +29,7 @@ from torch import nn
 
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.resample import requested_rate, resample
 
 
 def _meta(info: Any, key: str) -> Any:
@@ -108,13 +111,14 @@ class SpeechLMCodecDecoder(nn.Module):
         infos += [{}] * (len(counts) - len(infos))
         windows = [w[: w.numel() - w.numel() % self.num_quantizers] for w in torch.split(ids, counts)]
         audio = self.decode_windows(windows, infos)
-        sr = torch.tensor(self.sample_rate, dtype=torch.int32)
-        return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": audio, "sr": [sr] * len(audio)})
+        sr = [torch.tensor(requested_rate(info, self.sample_rate), dtype=torch.int32) for info in infos]
+        return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": audio, "sr": sr})
 
     def decode_windows(self, windows: list[torch.Tensor], infos: list[dict]) -> list[torch.Tensor]:
-        """windows[i]: [T_i * Q] frame-major codes -> [(T_i - left_i - holdback_i) * hop] new audio.
-        A window of several audio segments (`meta.segment_frames`: the whole-answer hand-off) is
-        decoded segment by segment, back to back: codec context never crosses a segment's edge."""
+        """windows[i]: [T_i * Q] frame-major codes -> [(T_i - left_i - holdback_i) * hop_i] new audio
+        (hop_i: samples per frame at the request's rate). A window of several audio segments
+        (`meta.segment_frames`: the whole-answer hand-off) is decoded segment by segment, back to
+        back: codec context never crosses a segment's edge."""
         pieces = [(i, *piece) for i, (w, info) in enumerate(zip(windows, infos)) for piece in self._segments(w, info)]
         audio = self._decode_pieces([p[1:] for p in pieces])
         out: list[list[torch.Tensor]] = [[] for _ in windows]
@@ -122,9 +126,9 @@ class SpeechLMCodecDecoder(nn.Module):
             out[i].append(wav)
         return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32) for parts in out]
 
-    def _segments(self, window: torch.Tensor, info: dict) -> list[tuple[torch.Tensor, int, int]]:
-        """(codes [T_j, Q], left context, holdback) per segment of a window; the window's left
-        context belongs to its first segment, its holdback to its last."""
+    def _segments(self, window: torch.Tensor, info: dict) -> list[tuple[torch.Tensor, int, int, int]]:
+        """(codes [T_j, Q], left context, holdback, output rate) per segment of a window; the
+        window's left context belongs to its first segment, its holdback to its last."""
         codes = window.reshape(-1, self.num_quantizers)
         if not codes.shape[0]:
             return []
@@ -134,30 +138,34 @@ class SpeechLMCodecDecoder(nn.Module):
         parts = codes.split(frames)
         last = len(parts) - 1
         left, holdback = _meta_int(info, "left_context_size"), _meta_int(info, "right_holdback_size")
-        return [(c, left if j == 0 else 0, holdback if j == last else 0) for j, c in enumerate(parts)]
+        rate = requested_rate(info, self.sample_rate)
+        return [(c, left if j == 0 else 0, holdback if j == last else 0, rate) for j, c in enumerate(parts)]
 
-    def _decode_pieces(self, pieces: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
-        """Decode (codes [T, Q], left, holdback) pieces, equal lengths in one batched call; keep
-        each piece's new audio."""
+    def _decode_pieces(self, pieces: list[tuple[torch.Tensor, int, int, int]]) -> list[torch.Tensor]:
+        """Decode (codes [T, Q], left, holdback, rate) pieces, equal lengths and rates in one
+        batched call; keep each piece's new audio."""
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32)] * len(pieces)
-        by_len: dict[int, list[int]] = {}
-        for i, (codes, _, _) in enumerate(pieces):
-            by_len.setdefault(codes.shape[0], []).append(i)
-        for idx in by_len.values():
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (codes, _, _, rate) in enumerate(pieces):
+            groups.setdefault((codes.shape[0], rate), []).append(i)
+        for (_, rate), idx in groups.items():
             codes = torch.stack([pieces[i][0] for i in idx])  # [B, T, Q]
             # The processor clamps to [0, codebook_size); clamp again so a stray id (a dummy run)
             # cannot index out of the codebooks.
             codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
-            wav = self.codec.decode(codes).float()  # [B, ~T * hop]
+            # The whole window, context included: the filter reaches across the kept edges.
+            wav = resample(self.codec.decode(codes).float(), self.sample_rate, rate)  # [B, ~T * hop]
+            hop = self.hop * rate // self.sample_rate
             for row, i in enumerate(idx):
-                out[i] = self._trim(wav[row], codes.shape[-1], *pieces[i][1:])
+                out[i] = self._trim(wav[row], codes.shape[-1], *pieces[i][1:3], hop)
         return out
 
-    def _trim(self, wav: torch.Tensor, num_frames: int, left: int, holdback: int) -> torch.Tensor:
+    @staticmethod
+    def _trim(wav: torch.Tensor, num_frames: int, left: int, holdback: int, hop: int) -> torch.Tensor:
         """Keep the new frames: drop left context and right holdback (counted in frames: a
         decoder may return a few samples less than T * hop at the clip's end)."""
-        start = left * self.hop
-        end = min(wav.shape[-1], (num_frames - holdback) * self.hop)
+        start = left * hop
+        end = min(wav.shape[-1], (num_frames - holdback) * hop)
         return wav[start:max(start, end)].contiguous()
 
 

@@ -13,8 +13,8 @@ turns one request into the engine request:
   fields, so this module's route (`create_speech`) reads them from the raw body and moves them
   into `extra_params`; any other unknown field is an error.
 - `initial_codec_chunk_frames`: this request's first streaming window (faster first audio)
-- `sample_rate`: any of OUTPUT_SAMPLE_RATES (vllm-omni resamples; a whole answer with the filter it
-  streams with, so both carry the same samples)
+- `sample_rate`: any of OUTPUT_SAMPLE_RATES. The codec stage resamples (`resample.py`) and reports
+  the rate, so vllm-omni, whose stream and whole-answer resamplers differ, resamples neither.
 
 Every field this model does not support (voices, reference audio, speed, ...) is rejected with a
 message naming it (vllm-omni answers HTTP 400), never silently ignored.
@@ -30,9 +30,10 @@ from pydantic import AliasChoices
 from vllm_omni.entrypoints.openai.tts_adapters import TTS_ADAPTER_REGISTRY, register_tts_adapter
 from vllm_omni.entrypoints.openai.tts_adapters.base import ARTTSAdapter, PreparedRequest
 
-from vllm_omni_speechlm.compat import dispatch_route, whole_answers_resampled_as_streams
+from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
+from vllm_omni_speechlm.resample import check_output_rate
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
@@ -46,7 +47,7 @@ DEFAULT_SYSTEM = "You are a helpful assistant. Answer in speech."
 SPEECH_MODALITIES = ("audio", "text+audio")
 # Top-level fields besides vllm-omni's schema: the model's options.
 TOP_LEVEL_OPTIONS = (*options.MODEL_OPTIONS, "modality")
-# Output rates (the codec's 16 kHz resampled by vllm-omni): telephony to studio.
+# Output rates (the codec's 16 kHz resampled by the codec stage): telephony to studio.
 OUTPUT_SAMPLE_RATES = frozenset({8000, 16000, 22050, 24000, 44100, 48000})
 MAX_INSTRUCTIONS_CHARS = 10_000
 # Request fields of vllm-omni's schema that other TTS models use and these models do not (their
@@ -106,10 +107,19 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
                     raise ValueError(f"instructions: expected a string of at most {MAX_INSTRUCTIONS_CHARS} characters")
             _check_unsupported(request)
             initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
+            self._output_rate(request)
             speech_params(request)
         except ValueError as e:
             return str(e)
         return None
+
+    def _output_rate(self, request: Any) -> int | None:
+        """The rate the codec stage is to resample to (None: its own)."""
+        codec = served_model(self.ctx.engine_client).cfg.codec
+        if request.sample_rate is None or request.sample_rate == codec.sample_rate:
+            return None
+        check_output_rate(request.sample_rate, codec.frame_rate, request.response_format)
+        return request.sample_rate
 
     def _params(self, request: Any, prompt_len: int) -> SpeechSamplingParams:
         """Resolved options, max_tokens within what the prompt leaves of the model's length."""
@@ -122,7 +132,8 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
         system = request.instructions if request.instructions and request.instructions.strip() else DEFAULT_SYSTEM
         ids = encode_prompt(model.tokenizer, model.cfg, request.input, system=system)
         first = initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
-        return PreparedRequest(prompt=engine_prompt(ids, self._params(request, len(ids)), first), model_type=self.name)
+        prompt = engine_prompt(ids, self._params(request, len(ids)), first, sample_rate=self._output_rate(request))
+        return PreparedRequest(prompt=prompt, model_type=self.name)
 
     def apply_sampling_overrides(
         self, sampling_params_list: list, request: Any, prompt: dict | None = None, request_id: str | None = None
@@ -167,7 +178,6 @@ async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
         request = with_top_level_options(request, await raw_request.json())
     except ValueError as e:
         return options.bad_request(str(e))
-    whole_answers_resampled_as_streams(raw_request.app.state.openai_serving_speech)
     return await admitted(raw_request, lambda: stock(request, raw_request))
 
 

@@ -1,6 +1,8 @@
 """vllm-omni routes the speech LMs do not serve. Each answers 404, as vllm-omni answers a route
-its model lacks, instead of running a request built for another kind of model: the stock batch
-routes would drop this model's options, `/v1/audio/generate` would send a diffusion prompt."""
+its model lacks, instead of running a request built for another kind of model: the speech batch
+route's items have no `seed` and no `extra_params` (its schema drops them, and top-level model
+options, silently), the chat batch route is vllm-omni's chat, not this model's, and
+`/v1/audio/generate` would send a diffusion prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.serving.model_info import is_speechlm
 
 UNSERVED = {
-    "/v1/audio/speech/batch": "send one request per item to /v1/audio/speech",
+    "/v1/audio/speech/batch": "its items cannot carry seed or the model's options; send one request per item to "
+                              "/v1/audio/speech",
     "/v1/chat/completions/batch": "send one request per conversation to /v1/chat/completions",
     "/v1/audio/generate": "use /v1/audio/speech",
 }

@@ -12,6 +12,7 @@ complete once row t + S - 1 exists), sends stage 1 one window:
     frames [emitted - left, target + holdback)   flattened [T_win * Q] codebook indices
     meta.left_context_size = left                 (<= codec_left_context_frames, 25)
     meta.right_holdback_size = holdback           (codec_right_holdback_frames, 10; 0 at finish)
+    output_sample_rate                            (only if the request asked for one: resample.py)
 
 Stage 1 decodes the window and keeps frames [emitted, target): exactly the new ones. Holding back
 10 frames makes streaming exact: X-Codec's output frame f depends on input frames f-10..f+10
@@ -41,9 +42,11 @@ from typing import Any
 import torch
 from vllm_omni.engine.serialization import deserialize_additional_information
 
+from vllm_omni_speechlm.compat import window_payload
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_complete_frames, segment_codes
 from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.resample import RATE_KEY, requested_rate
 from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
 
 
@@ -70,9 +73,9 @@ def chunk_settings(transfer_manager: Any) -> dict[str, int]:
 
 def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
     # emitted: frames of the current audio segment already sent as new audio; base: index in the
-    # segment of the first buffered row.
+    # segment of the first buffered row; rate: the output rate asked for (0: the codec's).
     info = deserialize_additional_information(getattr(request, "additional_information", None))
-    return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings)}
+    return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings), "rate": requested_rate(info, 0)}
 
 
 def _buffer_segment_rows(rows: list[torch.Tensor], state: dict[str, int], multimodal_output: Any,
@@ -121,7 +124,7 @@ def speechlm2codec_async_chunk(
 def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
                  flush: bool) -> Any:
     """The window due now of the current segment (all of its unsent frames when `flush`), or None."""
-    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
+    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
 
     emitted = state["emitted"]
     total = num_complete_frames(state["base"] + len(rows), cfg.num_streams)
@@ -135,9 +138,10 @@ def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict
     codes = segment_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
     state["emitted"] = target
     _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
-    return OmniPayloadStruct(
-        codes=CodesStruct(audio=codes.reshape(-1)),
-        meta=MetaStruct(left_context_size=left, right_holdback_size=holdback),
+    return window_payload(
+        CodesStruct(audio=codes.reshape(-1)),
+        MetaStruct(left_context_size=left, right_holdback_size=holdback),
+        **({RATE_KEY: state["rate"]} if state["rate"] else {}),
     )
 
 
@@ -156,6 +160,15 @@ def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_nee
 # concatenated to [L, S] (the key's CONCAT_DIM0 strategy). The clip goes to stage 1 as a single
 # window with no left context and no holdback, listing its audio segments' lengths; stage 1 decodes
 # each segment whole and keeps all of it: the reference's decoding, delivered once at the end.
+# The output rate the original prompt asked for goes along, as each streamed window carries it.
+
+
+def _output_rate(prompt: Any) -> dict[str, Any]:
+    """The original prompt's output-rate entry ({}: none asked), for stage 1's prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    info = deserialize_additional_information(prompt.get("additional_information")) if isinstance(prompt, dict) else {}
+    return {RATE_KEY: info[RATE_KEY]} if RATE_KEY in info else {}
 
 
 def _finished_stream_tokens(source_output: Any) -> torch.Tensor | None:
@@ -180,7 +193,8 @@ def speechlm2codec(
 ) -> list[Any]:
     """Finished stage-0 outputs -> one stage-1 prompt per clip: flattened [T * Q] codebook indices
     (frame-major, the streaming window format), meta left_context_size = right_holdback_size = 0
-    and segment_frames (the frames of each audio segment, which stage 1 decodes on its own).
+    and segment_frames (the frames of each audio segment, which stage 1 decodes on its own), and
+    the output rate the original `prompt` asked for.
 
     A request that produced no audio (a text-only answer, or fewer than S audio rows) yields no
     prompt: the orchestrator then finishes it from the final stage with empty audio, instead of
@@ -204,7 +218,7 @@ def speechlm2codec(
         prompts.append(
             OmniTokensPrompt(
                 prompt_token_ids=torch.cat(segments).reshape(-1).tolist(),  # [T * Q], frame-major
-                additional_information={"meta": meta},
+                additional_information={"meta": meta, **_output_rate(prompt)},
             )
         )
     return prompts
