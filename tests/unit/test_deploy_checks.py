@@ -65,8 +65,9 @@ def test_deploy_plans_of_the_shipped_yamls():
     plugin.register()
     plans = {name: DeployPlan.from_yaml(stage_configs.path(name)) for name in (
         "speech_lm_only.yaml", "bagpiper_fused.yaml", "bagpiper_batch.yaml", "bagpiper_streaming.yaml",
-        "bagpiper_streaming_2gpu.yaml")}
-    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True), (2, True)]
+        "bagpiper_streaming_2gpu.yaml", "bagpiper_streaming_tp2.yaml")}
+    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True), (2, True),
+                                                                      (2, True)]
     assert DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming.yaml"), async_chunk=False).streaming is False
 
 
@@ -82,6 +83,24 @@ def test_two_gpu_yaml_places_the_stages_apart():
     plan = DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming_2gpu.yaml"), visible=2)
     assert (plan.num_stages, plan.streaming) == (2, True)
     assert [s["devices"] for s in _two_gpu_yaml()["stages"]] == ["0", "1"]
+
+
+def test_tp2_yaml_shards_stage0_over_two_gpus():
+    """Stage 0 on GPUs 0 and 1 (one per rank), the codec stage beside its rank 1; one GPU is not enough."""
+    from types import SimpleNamespace
+
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    path = stage_configs.path("bagpiper_streaming_tp2.yaml")
+    plan = DeployPlan.from_yaml(path, visible=2)
+    assert (plan.num_stages, plan.streaming) == (2, True)
+    with open(path) as f:
+        stages = yaml.safe_load(f)["stages"]
+    assert [s["devices"] for s in stages] == ["0,1", "1"] and stages[0]["tensor_parallel_size"] == 2
+    check_parallelism(SimpleNamespace(tensor_parallel_size=stages[0]["tensor_parallel_size"]), "qwen3")
+    with pytest.raises(ValueError, match=r"stages\[0\]\.devices: GPU 1 does not exist: this process sees 1"):
+        DeployPlan.from_yaml(path, visible=1)
 
 
 @pytest.mark.parametrize(
