@@ -70,6 +70,7 @@ _ENC_CACHE = "vllm.v1.core.encoder_cache_manager:EncoderCacheManager"
 _MM_PROC = "vllm.multimodal.processing.processor:BaseMultiModalProcessor"
 _MM_INFO = "vllm.multimodal.processing.context:BaseProcessingInfo"
 _MM_DUMMY = "vllm.multimodal.processing.dummy_inputs:BaseDummyInputsBuilder"
+_VOCAB_EMB = "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding"
 _ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
 
 HOOKS = (
@@ -183,6 +184,14 @@ HOOKS = (
     Hook("vllm.config.model", "_get_and_verify_max_len", "call", "hf_config, model_arch_config, tokenizer_config, "
          "max_model_len, disable_sliding_window, sliding_window, spec_target_max_model_len=None, encoder_config=None"),
     Hook("vllm.config.model:ModelConfig", "model_arch_config", "attribute"),  # position_limit
+    # tensor-parallel stage 0 (models/tp_heads.py: vocab_shard_bounds; tests: custom_op_collectives)
+    Hook(_VOCAB_EMB, "_get_indices", "call",
+         "vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, tp_rank, tp_size"),
+    Hook(_VOCAB_EMB, "tp_rank", "attribute"),
+    Hook(_VOCAB_EMB, "tp_size", "attribute"),
+    Hook(_VOCAB_EMB, "org_vocab_size", "attribute"),
+    Hook(_VOCAB_EMB, "padding_size", "attribute"),
+    Hook("vllm.distributed.parallel_state:GroupCoordinator", "use_custom_op_call", "attribute"),
 )
 
 
@@ -416,6 +425,29 @@ def compile_cpu_random_sample(vocab_size: int) -> None:
 
     for rows in (1, 2):
         compiled_random_sample(torch.zeros(rows, vocab_size))
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+
+
+def vocab_shard_bounds(padded: int, vocab_size: int, rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, end) of the vocabulary ids that rank `rank` of `tp_size` holds in a vocab-parallel
+    table of `vocab_size` ids padded to `padded` (no added vocabulary), as vLLM lays it out."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    idx = VocabParallelEmbedding._get_indices(padded, padded, vocab_size, vocab_size, rank, tp_size)
+    return idx.org_vocab_start_index, idx.org_vocab_end_index
+
+
+def custom_op_collectives(on: bool) -> bool:
+    """Make this process's TP group call its collectives through vLLM's custom ops
+    (`torch.ops.vllm.all_reduce` / `all_gather`, which torch.compile traces), as on CUDA, or
+    directly through the communicator (CPU's default); -> the previous setting (tests)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    before, group.use_custom_op_call = group.use_custom_op_call, on
+    return before
 
 
 # ---- concurrent stage start ---------------------------------------------------------------

@@ -64,24 +64,48 @@ MORE_GPUS_HINT = (
     "to use a second GPU, run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml) or start one "
     "server per GPU"
 )
+# Backbones (config.json model_type) whose stage 0 runs under tensor parallelism; the others' refusal.
+TP_BACKBONES = ("qwen3",)
+TP_REFUSALS = {
+    "olmo2": "OpusLM's OLMo-2 backbone normalises q and k over the whole projection (all heads), which under tensor "
+    "parallelism needs the sum of squares all-reduced across ranks; that is not implemented",
+    "llama": "OpusLM-Dialogue's Llama backbone is not verified under tensor parallelism yet",
+}
 
 
-def check_parallelism(parallel_config: Any) -> None:
-    """Stage 0 runs on one rank (TP = PP = 1). Under TP the aux head is sharded (tp_heads.py), but
-    identical state on every rank and step graphs holding collectives are not run on GPUs yet
-    (docs/architecture.md, "Tensor-parallel stage 0"); pipeline stages would split the step
-    itself: the aux streams sampled after the last layer are the next step's input on the first."""
+def check_parallelism(parallel_config: Any, model_type: str | None = None) -> None:
+    """Tensor parallelism for the backbones in `TP_BACKBONES` (Bagpiper's Qwen3): vLLM shards the
+    layers, the aux head is sharded (tp_heads.py), per-request state is replicated on every rank
+    (docs/architecture.md, "Tensor-parallel stage 0"). Pipeline stages would split the step itself:
+    the aux streams sampled after the last layer are the next step's input on the first."""
     tp = getattr(parallel_config, "tensor_parallel_size", 1)
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
     if pp != 1:
         raise ValueError(
             f"speech LM stage: pipeline_parallel_size {pp} is not supported (the aux streams sampled after the "
-            f"last layer feed the next step's first layer); set pipeline_parallel_size: 1; {MORE_GPUS_HINT}"
+            f"last layer feed the next step's first layer); set pipeline_parallel_size: 1 and use "
+            f"tensor_parallel_size to shard a Bagpiper stage 0; or {MORE_GPUS_HINT}"
         )
-    if tp != 1:
+    if tp != 1 and model_type not in TP_BACKBONES:
+        why = TP_REFUSALS.get(model_type, f"backbone {model_type!r} is not supported under tensor parallelism")
         raise ValueError(
-            f"speech LM stage: tensor_parallel_size {tp} is not supported yet; set tensor_parallel_size: 1 "
-            f"(one H100 holds the 8B model in bfloat16); {MORE_GPUS_HINT}"
+            f"speech LM stage: tensor_parallel_size {tp}: {why}; set tensor_parallel_size: 1 (one H100 holds the 8B "
+            f"model in bfloat16); {MORE_GPUS_HINT}"
+        )
+
+
+def check_step_graphs(vllm_config: Any) -> None:
+    """Step graphs (`speech_lm_step_graphs`) are off under tensor parallelism (steps.py,
+    `step_graph_sizes`); asking for them there is refused rather than ignored."""
+    from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY
+
+    extra = vllm_config.additional_config if isinstance(getattr(vllm_config, "additional_config", None), dict) else {}
+    tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+    if tp != 1 and extra.get(STEP_GRAPHS_KEY) is True:
+        raise ValueError(
+            f"speech LM stage: additional_config {STEP_GRAPHS_KEY}: true is not supported with tensor_parallel_size "
+            f"{tp} (a step graph would hold collectives); leave it unset or false (the compiled step functions still "
+            "run), or set tensor_parallel_size: 1"
         )
 
 
@@ -100,10 +124,11 @@ def check_positions(model_config: Any) -> None:
 
 
 def check_speech_lm_stage(vllm_config: Any) -> None:
-    """The speech LM stage: one rank, max_model_len within the checkpoint's positions; window
+    """The speech LM stage: its parallelism, max_model_len within the checkpoint's positions; window
     settings when it produces streamed windows."""
-    check_parallelism(vllm_config.parallel_config)
     model_config = vllm_config.model_config
+    check_parallelism(vllm_config.parallel_config, getattr(model_config.hf_config, "model_type", None))
+    check_step_graphs(vllm_config)
     check_positions(model_config)
     if getattr(model_config, "async_chunk", False):
         extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}

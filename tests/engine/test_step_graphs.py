@@ -139,18 +139,20 @@ def test_table_keeps_rows_and_scratch_slot_when_it_grows():
     assert table.phase.shape[0] == table.aux_history.shape[0] == 5
 
 
-def _vllm_config(device: str, cudagraph_mode, extra: dict | None = None):
+def _vllm_config(device: str, cudagraph_mode, extra: dict | None = None, tp: int = 1):
     from types import SimpleNamespace
 
     from vllm.config import CompilationMode
 
     compilation = SimpleNamespace(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=[1, 2, 4, 8])
-    return SimpleNamespace(device_config=SimpleNamespace(device_type=device), compilation_config=compilation, additional_config=extra or {})
+    return SimpleNamespace(device_config=SimpleNamespace(device_type=device), compilation_config=compilation, additional_config=extra or {},
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
 
 def test_step_graphs_follow_vllms_graphs_and_the_switch():
     """On where vLLM graphs the backbone, at its capture sizes; off on CPU, with vLLM's graphs off
-    (enforce_eager) and with `--additional-config '{"speech_lm_step_graphs": false}'`."""
+    (enforce_eager), with `--additional-config '{"speech_lm_step_graphs": false}'` and under tensor
+    parallelism (asking for them there is refused at start-up: test_deploy_checks.py)."""
     from vllm.config import CUDAGraphMode
 
     from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY, step_graph_sizes
@@ -160,3 +162,4 @@ def test_step_graphs_follow_vllms_graphs_and_the_switch():
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: False})) == []
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.NONE)) == []
     assert step_graph_sizes(_vllm_config("cpu", CUDAGraphMode.FULL_AND_PIECEWISE)) == []
+    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, tp=2)) == []

@@ -10,7 +10,13 @@ import pytest
 import yaml
 
 from vllm_omni_speechlm import stage_configs
-from vllm_omni_speechlm.deploy_checks import DeployPlan, check_positions, check_speech_lm_stage, codec_reach
+from vllm_omni_speechlm.deploy_checks import (
+    DeployPlan,
+    check_parallelism,
+    check_positions,
+    check_speech_lm_stage,
+    codec_reach,
+)
 from vllm_omni_speechlm.streaming import WINDOW_DEFAULTS, max_window_ids, window_settings
 
 XCODEC_REACH = (10, 10)
@@ -59,8 +65,9 @@ def test_deploy_plans_of_the_shipped_yamls():
     plugin.register()
     plans = {name: DeployPlan.from_yaml(stage_configs.path(name)) for name in (
         "speech_lm_only.yaml", "bagpiper_fused.yaml", "bagpiper_batch.yaml", "bagpiper_streaming.yaml",
-        "bagpiper_streaming_2gpu.yaml")}
-    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True), (2, True)]
+        "bagpiper_streaming_2gpu.yaml", "bagpiper_streaming_tp2.yaml")}
+    assert [(p.num_stages, p.streaming) for p in plans.values()] == [(1, False), (1, False), (2, False), (2, True), (2, True),
+                                                                      (2, True)]
     assert DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming.yaml"), async_chunk=False).streaming is False
 
 
@@ -76,6 +83,24 @@ def test_two_gpu_yaml_places_the_stages_apart():
     plan = DeployPlan.from_yaml(stage_configs.path("bagpiper_streaming_2gpu.yaml"), visible=2)
     assert (plan.num_stages, plan.streaming) == (2, True)
     assert [s["devices"] for s in _two_gpu_yaml()["stages"]] == ["0", "1"]
+
+
+def test_tp2_yaml_shards_stage0_over_two_gpus():
+    """Stage 0 on GPUs 0 and 1 (one per rank), the codec stage beside its rank 1; one GPU is not enough."""
+    from types import SimpleNamespace
+
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    path = stage_configs.path("bagpiper_streaming_tp2.yaml")
+    plan = DeployPlan.from_yaml(path, visible=2)
+    assert (plan.num_stages, plan.streaming) == (2, True)
+    with open(path) as f:
+        stages = yaml.safe_load(f)["stages"]
+    assert [s["devices"] for s in stages] == ["0,1", "1"] and stages[0]["tensor_parallel_size"] == 2
+    check_parallelism(SimpleNamespace(tensor_parallel_size=stages[0]["tensor_parallel_size"]), "qwen3")
+    with pytest.raises(ValueError, match=r"stages\[0\]\.devices: GPU 1 does not exist: this process sees 1"):
+        DeployPlan.from_yaml(path, visible=1)
 
 
 @pytest.mark.parametrize(
@@ -144,26 +169,56 @@ def test_deploy_plan_rejects_what_vllm_omni_would_ignore(tmp_path):
         DeployPlan.from_yaml(_write(tmp_path, "typo.yaml", typo))
 
 
-@pytest.mark.parametrize(
-    "tp, pp, message",
-    [
-        (2, 1, "tensor_parallel_size 2 is not supported yet; set tensor_parallel_size: 1"),
-        (1, 2, "pipeline_parallel_size 2 is not supported"),
-    ],
-)
-def test_stage0_parallelism_is_refused_at_start_up(tiny_bagpiper, tp, pp, message):
-    """The speech LM stage's start-up check (before any worker) says what works and what to use."""
+def _stage0_config(model_dir: str, tp: int, pp: int = 1, additional_config: dict | None = None):
     from types import SimpleNamespace
 
-    config = SimpleNamespace(
+    return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        model_config=_model_config(tiny_bagpiper, 512),
+        model_config=_model_config(model_dir, 512),
+        additional_config=additional_config or {},
     )
+
+
+def test_stage0_tensor_parallel_bagpiper_starts(tiny_bagpiper):
+    check_speech_lm_stage(_stage0_config(tiny_bagpiper, 2))
+    check_speech_lm_stage(_stage0_config(tiny_bagpiper, 2, additional_config={"speech_lm_step_graphs": False}))
+
+
+@pytest.mark.parametrize(
+    "tp, pp, extra, message",
+    [
+        (1, 2, {}, "pipeline_parallel_size 2 is not supported"),
+        (2, 2, {}, "pipeline_parallel_size 2 is not supported"),
+        (2, 1, {"speech_lm_step_graphs": True}, "additional_config speech_lm_step_graphs: true is not supported with "
+         "tensor_parallel_size 2"),
+    ],
+)
+def test_stage0_parallelism_is_refused_at_start_up(tiny_bagpiper, tp, pp, extra, message):
+    """The speech LM stage's start-up check (before any worker) says what works and what to use."""
     with pytest.raises(ValueError) as err:
-        check_speech_lm_stage(config)
-    assert message in str(err.value) and "run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml)" in str(err.value)
-    config.parallel_config.tensor_parallel_size = config.parallel_config.pipeline_parallel_size = 1
-    check_speech_lm_stage(config)
+        check_speech_lm_stage(_stage0_config(tiny_bagpiper, tp, pp, extra))
+    assert message in str(err.value)
+    check_speech_lm_stage(_stage0_config(tiny_bagpiper, 1, 1, extra))
+
+
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("olmo2", "normalises q and k over the whole projection (all heads), which under tensor parallelism needs the "
+         "sum of squares all-reduced"),
+        ("llama", "Llama backbone is not verified under tensor parallelism"),
+        ("gpt2", "backbone 'gpt2' is not supported under tensor parallelism"),
+    ],
+)
+def test_stage0_tensor_parallelism_of_other_backbones_is_refused(model_type, why):
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError) as err:
+        check_parallelism(SimpleNamespace(tensor_parallel_size=4, pipeline_parallel_size=1), model_type)
+    message = str(err.value)
+    assert "tensor_parallel_size 4" in message and why in message and "set tensor_parallel_size: 1" in message
+    assert "run the codec stage on it (stage_configs/bagpiper_streaming_2gpu.yaml)" in message
+    check_parallelism(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1), model_type)
 
 
 def _model_config(model_dir: str, max_model_len: int):
@@ -227,3 +282,21 @@ def test_engine_start_fails_naming_the_key(tiny_bagpiper, tmp_path, case):
     assert message in str(err.value)
     left = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
     assert not left, f"processes left after a failed start: {left}"
+
+
+# vllm-omni re-raises the orchestrator thread's error in the caller; pytest also reports the thread's.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_opuslm_tensor_parallel_start_fails_naming_why(tiny_opuslm):
+    """OpusLM's OLMo-2 backbone under tensor_parallel_size 2: the start fails before any engine
+    process, saying why and what to set."""
+    from vllm_omni import Omni
+
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(Exception) as err:
+        Omni(model=tiny_opuslm, deploy_config=stage_configs.path("opuslm_lm_only.yaml"), tensor_parallel_size=2)
+    assert "tensor_parallel_size 2: OpusLM's OLMo-2 backbone normalises q and k" in str(err.value)
+    assert "set tensor_parallel_size: 1" in str(err.value)
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - children_before

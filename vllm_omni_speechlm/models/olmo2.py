@@ -4,7 +4,7 @@ backend, which cannot host a speech LM's heads and hooks).
 OLMo-2 differs from Llama in two places: q/k RMSNorm over the whole projection (all heads, before
 the head split and RoPE), and post-norm residuals: `x + norm(attn(x))`, then `+ norm(mlp(.))`.
 Parameter names are the Hugging Face checkpoint's; q/k/v and gate/up load into vLLM's fused
-projections. Tensor parallelism is not supported (the speech LM stage checks TP = 1), so the
+projections. Tensor parallelism is refused for this backbone (deploy_checks.py), so the
 q/k norms see the whole projection without a gather.
 """
 

@@ -71,7 +71,8 @@ class SpeechLMForCausalLM(nn.Module):
 
     @staticmethod
     def _check_supported(vllm_config: VllmConfig, cfg: SpeechLMConfig) -> None:
-        check_parallelism(vllm_config.parallel_config)  # also at start-up (deploy_checks); here for any other path
+        # also at start-up (deploy_checks); here for any other path
+        check_parallelism(vllm_config.parallel_config, vllm_config.model_config.hf_config.model_type)
         ends = [s.vocab_end for s in cfg.streams[1:-1]]
         if ends != [s.vocab_start for s in cfg.streams[2:]]:
             raise ValueError("speechlm config: stream_sizes: streams 1..S-1 must be adjacent in the vocabulary")
@@ -124,21 +125,22 @@ class SpeechLMForCausalLM(nn.Module):
             hidden = hidden + self.stream_embeddings.weight[0]
         return self.logits_processor(self.lm_head, hidden)
 
-    def _keep_pad_row(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The weights, passing through; the LM head's pad row is copied into `aux_pad_weight` on
-        the way (each rank sees the whole tensor here, before its shard is taken)."""
+    def _on_the_way(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights as the loader gets them, whole (under TP every rank sees the whole tensor
+        here, before its shard is taken): the LM head's pad row is copied into `aux_pad_weight`,
+        and the deferred eos's input embedding becomes the eos's (it is fed back as the eos it
+        stands for, DecodingSpec), in the whole table, so the rank holding it gets it."""
+        deferred = self.speech.decoding.deferred_eos
         for name, tensor in weights:
             if name == "lm_head.weight":
                 self.aux_pad_weight.copy_(tensor[self.speech.specials.pad])
+            elif name == "model.embed_tokens.weight" and deferred is not None:
+                tensor = tensor.clone()
+                tensor[deferred] = tensor[self.speech.specials.eos]
             yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = AutoWeightsLoader(self).load_weights(self._keep_pad_row(weights), mapper=self.hf_to_vllm_mapper)
-        deferred = self.speech.decoding.deferred_eos
-        if deferred is not None:  # the deferred eos is fed back as the eos it stands for (DecodingSpec)
-            emb = self.model.embed_tokens.weight
-            emb.data[deferred] = emb.data[self.speech.specials.eos]
-        return loaded
+        return AutoWeightsLoader(self).load_weights(self._on_the_way(weights), mapper=self.hf_to_vllm_mapper)
 
     # ---- vllm-omni runner hooks: each step is `SpeechLMSteps`' -------------------------------
     def prepare_runner_inputs(

@@ -101,12 +101,24 @@ def step_compile_backend(vllm_config: VllmConfig) -> str | None:
     return "inductor"
 
 
+def tensor_parallel_size(vllm_config: VllmConfig) -> int:
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return getattr(parallel, "tensor_parallel_size", 1)
+
+
 def step_graph_sizes(vllm_config: VllmConfig) -> list[int]:
     """vLLM's capture sizes where the step functions compile and vLLM graphs the backbone, unless
-    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`)."""
+    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`).
+    Off under tensor parallelism: a step graph would hold the aux head's all-gather and the staging
+    all-reduce, recorded outside vLLM's `graph_capture` and with a one-rank fallback that would leave
+    the other ranks waiting in a collective (docs/architecture.md, "Tensor-parallel stage 0")."""
     graphs = vllm_config.compilation_config.cudagraph_mode
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     if step_compile_backend(vllm_config) is None or graphs in (None, CUDAGraphMode.NONE) or not extra.get(STEP_GRAPHS_KEY, True):
+        return []
+    if tensor_parallel_size(vllm_config) > 1:
+        logger.warning_once("speech LM step graphs are off under tensor parallelism (tensor_parallel_size %d); the "
+                            "compiled step functions still run", tensor_parallel_size(vllm_config))
         return []
     return list(vllm_config.compilation_config.cudagraph_capture_sizes or [])
 
@@ -123,6 +135,7 @@ class SpeechLMSteps:
         self.rules: DecodingRules | None = None
         self.graphs: StepGraphs | None = None  # built with the table where there are capture sizes
         self._graph_sizes = step_graph_sizes(vllm_config)
+        self._tensor_parallel = tensor_parallel_size(vllm_config) > 1
         self.rows = StepRows()
         self._frames: torch.Tensor | None = None
         self.frames_host: torch.Tensor | None = None  # this step's [N, S] frames, on the host after `sample`
@@ -428,10 +441,13 @@ class SpeechLMSteps:
     # ---- compiling the step functions in vLLM's warm-up --------------------------------------
     def warm_up_step_functions(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
         """Compile now; if that fails, the step math runs eagerly (correct, slower) rather than
-        the engine going down."""
+        the engine going down. Not under tensor parallelism: the warm-up runs collectives, and a
+        rank leaving it early would leave the others waiting in one; the start fails instead."""
         try:
             self.compile_step_functions_now(hidden, raw)
         except Exception:
+            if self._tensor_parallel:
+                raise
             logger.exception("speech LM step functions failed to compile; running them eagerly")
             self.compile_step_functions(None)
 

@@ -30,18 +30,12 @@ class VocabShard:
 
 def vocab_shards(vocab_size: int, tp_size: int, padding: int | None = None) -> list[VocabShard]:
     """Every rank's shard, as vLLM's `VocabParallelEmbedding` lays it out (no added vocabulary)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        DEFAULT_VOCAB_PADDING_SIZE,
-        VocabParallelEmbedding,
-        pad_vocab_size,
-    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE, pad_vocab_size
+
+    from vllm_omni_speechlm.compat import vocab_shard_bounds
 
     padded = pad_vocab_size(vocab_size, padding or DEFAULT_VOCAB_PADDING_SIZE)
-    shards = []
-    for rank in range(tp_size):
-        idx = VocabParallelEmbedding._get_indices(padded, padded, vocab_size, vocab_size, rank, tp_size)
-        shards.append(VocabShard(idx.org_vocab_start_index, idx.org_vocab_end_index, padded // tp_size))
-    return shards
+    return [VocabShard(*vocab_shard_bounds(padded, vocab_size, rank, tp_size), padded // tp_size) for rank in range(tp_size)]
 
 
 def lm_head_shards(lm_head) -> list[VocabShard]:
