@@ -154,7 +154,7 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     from vllm_omni import Omni
 
     from vllm_omni_speechlm import plugin
-    from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY
+    from vllm_omni_speechlm.config import STEP_GRAPHS_KEY
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()

@@ -235,6 +235,26 @@ def worker_sum(omni, fn) -> int:
     return sum(flatten(omni.engine.collective_rpc("apply_model", args=(fn,), stage_ids=[0])))
 
 
+def reference_with_clips(reference, generator, prompt: str, clips: list, system: str = "Be brief.", **kw):
+    """The reference's answer to a prompt with audio clips (none: a text prompt)."""
+    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+    ids = generator.encode(prompt, system, audio=len(clips))
+    return reference.generate(ids, SpeechSamplingParams(**kw), audio=clips)
+
+
+def assert_result_equals_reference(result: dict, ref) -> None:
+    """A generator result (waveform form) equals the reference: every stream, text, finish, audio."""
+    import torch
+
+    assert torch.equal(torch.tensor(result["stream_token_ids"]), ref.tokens)
+    assert result["text"] == ref.text and result["finish_reason"] == ref.finish_reason
+    if ref.audio is None:
+        assert result["waveform"] is None
+    else:
+        torch.testing.assert_close(result["waveform"], ref.audio, atol=1e-5, rtol=0)
+
+
 def step_graphs_eagerly(on: bool, model) -> int:
     """Stage 0's steps as step graphs replay them (models/step_graphs.py), run eagerly (CPU; 3 and
     4 rows pad to 5, 1 to 2), or not (False). For `worker_sum`."""

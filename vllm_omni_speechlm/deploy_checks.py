@@ -24,7 +24,7 @@ from typing import Any
 from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
 from vllm_omni_speechlm.compat import max_pending_of, parallel_stage_init_of, position_limit
-from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.config import STEP_GRAPHS_KEY, SpeechLMConfig
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
 
@@ -97,7 +97,6 @@ def check_parallelism(parallel_config: Any, model_type: str | None = None) -> No
 def check_step_graphs(vllm_config: Any) -> None:
     """Step graphs (`speech_lm_step_graphs`) are off under tensor parallelism (steps.py,
     `step_graph_sizes`); asking for them there is refused rather than ignored."""
-    from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY
 
     extra = vllm_config.additional_config if isinstance(getattr(vllm_config, "additional_config", None), dict) else {}
     tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)

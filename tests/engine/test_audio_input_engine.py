@@ -13,9 +13,8 @@ import pytest
 import soundfile
 import torch
 
-from conftest import flatten, live_requests, worker_sum
+from conftest import assert_result_equals_reference, flatten, live_requests, reference_with_clips, worker_sum
 from devtools import audio_clips
-from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 # max_num_batched_tokens also sizes vLLM's encoder cache (rows of encoder output): 512 holds four
 # 9-s clips, so the eviction test below needs the cache to give back what requests held.
@@ -38,20 +37,6 @@ def generator(tiny_bagpiper):
         yield gen
 
 
-def _reference(reference, generator, prompt, clips, system=SYSTEM, **kw):
-    ids = generator.encode(prompt, system, audio=len(clips))
-    return reference.generate(ids, SpeechSamplingParams(**kw), audio=clips)
-
-
-def _assert_same(result: dict, ref) -> None:
-    assert torch.equal(torch.tensor(result["stream_token_ids"]), ref.tokens)
-    assert result["text"] == ref.text and result["finish_reason"] == ref.finish_reason
-    if ref.audio is None:
-        assert result["waveform"] is None
-    else:
-        torch.testing.assert_close(result["waveform"], ref.audio, atol=1e-5, rtol=0)
-
-
 CASES = {
     "question_text": (QUESTION, [clip(1.5)], dict(modality="text", seed=1, max_tokens=30)),
     "transcription": ("", [clip(0.7, 240.0)], dict(modality="text", seed=2, max_tokens=30)),
@@ -67,7 +52,7 @@ CASES = {
 def test_matches_reference(generator, reference, name):
     prompt, clips, kw = CASES[name]
     [result] = generator.generate(prompt, system=SYSTEM, audio=clips, **kw)
-    _assert_same(result, _reference(reference, generator, prompt, clips, **kw))
+    assert_result_equals_reference(result, reference_with_clips(reference, generator, prompt, clips, **kw))
 
 
 def test_batched_requests_equal_solo_runs(generator, reference):
@@ -80,7 +65,7 @@ def test_batched_requests_equal_solo_runs(generator, reference):
     for prompt, c, result in zip(prompts, clips, batched):
         [solo] = generator.generate(prompt, system=SYSTEM, audio=c, **kw)
         assert result["stream_token_ids"] == solo["stream_token_ids"]
-        _assert_same(result, _reference(reference, generator, prompt, c or [], **kw))
+        assert_result_equals_reference(result, reference_with_clips(reference, generator, prompt, c or [], **kw))
 
 
 def test_a_stereo_file_at_another_rate(generator, reference, tmp_path):
@@ -90,7 +75,7 @@ def test_a_stereo_file_at_another_rate(generator, reference, tmp_path):
     soundfile.write(path, np.stack([left, right], axis=1), 44100, subtype="FLOAT")
     kw = dict(modality="text", seed=8, max_tokens=24)
     [result] = generator.generate(QUESTION, system=SYSTEM, audio=path, **kw)
-    _assert_same(result, _reference(reference, generator, QUESTION, [path], **kw))
+    assert_result_equals_reference(result, reference_with_clips(reference, generator, QUESTION, [path], **kw))
 
 
 def _live(generator) -> int:

@@ -155,7 +155,8 @@ def test_step_graphs_follow_vllms_graphs_and_the_switch():
     parallelism (asking for them there is refused at start-up: test_deploy_checks.py)."""
     from vllm.config import CUDAGraphMode
 
-    from vllm_omni_speechlm.models.steps import STEP_GRAPHS_KEY, step_graph_sizes
+    from vllm_omni_speechlm.config import STEP_GRAPHS_KEY
+    from vllm_omni_speechlm.models.steps import step_graph_sizes
 
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE)) == [1, 2, 4, 8]
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: True})) == [1, 2, 4, 8]

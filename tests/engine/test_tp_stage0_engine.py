@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import flatten, live_requests, worker_sum
+from conftest import assert_result_equals_reference, flatten, live_requests, reference_with_clips, worker_sum
 from devtools import audio_clips
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
@@ -98,20 +98,6 @@ def test_each_rank_loads_its_shard_and_the_whole_of_the_rest(generator, tiny_bag
     assert _per_rank(generator, functools.partial(_weight_mismatches, tiny_bagpiper)) == []
 
 
-def _reference(reference, generator, prompt, clips, **kw):
-    ids = generator.encode(prompt, SYSTEM, audio=len(clips))
-    return reference.generate(ids, SpeechSamplingParams(**kw), audio=clips)
-
-
-def _assert_same(result: dict, ref) -> None:
-    assert torch.equal(torch.tensor(result["stream_token_ids"]), ref.tokens)
-    assert result["text"] == ref.text and result["finish_reason"] == ref.finish_reason
-    if ref.audio is None:
-        assert result["waveform"] is None
-    else:
-        torch.testing.assert_close(result["waveform"], ref.audio, atol=1e-5, rtol=0)
-
-
 CASES = {
     # greedy, every stream: audio in (no text) -> text then speech; text and audio in -> speech
     "audio_prompt_greedy": ("", [_clip(0.7, 240.0)], dict(modality="text+audio", max_text_tokens=5, **GREEDY)),
@@ -130,7 +116,7 @@ def test_matches_reference(generator, reference, name):
     prompt, clips, kw = CASES[name]
     kw = dict(max_tokens=36, **kw)
     [result] = generator.generate(prompt, system=SYSTEM, audio=clips or None, **kw)
-    _assert_same(result, _reference(reference, generator, prompt, clips, **kw))
+    assert_result_equals_reference(result, reference_with_clips(reference, generator, prompt, clips, **kw))
 
 
 def test_a_batch_equals_its_solo_runs(generator, reference):
@@ -150,7 +136,7 @@ def _assert_batch_equals_reference(generator, reference) -> None:
     assert len(outputs) == len(prompts)
     for out in outputs:
         i = int(out.request_id.split("_", 1)[0])
-        _assert_same(generator.result(out), _reference(reference, generator, prompts[i], [], **kws[i]))
+        assert_result_equals_reference(generator.result(out), reference_with_clips(reference, generator, prompts[i], [], **kws[i]))
 
 
 def _compile_step_functions(on: bool, model) -> int:

@@ -38,7 +38,7 @@ from vllm.utils.torch_utils import set_torch_threads_for_runtime
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_omni_speechlm.cfg import merge_guided
-from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.config import STEP_GRAPHS_KEY, SpeechLMConfig
 from vllm_omni_speechlm.decoding import DecodingRules, is_audio_row
 from vllm_omni_speechlm.frames import FRAME_ROWS_KWARG, FrameRows
 from vllm_omni_speechlm.models.request_state import RequestEntry, RequestTable, to_device
@@ -49,7 +49,6 @@ from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 logger = init_logger(__name__)
 
 UNKNOWN_LEN = 1 << 62  # prompt length of a request not admitted yet: all its tokens are prompt
-STEP_GRAPHS_KEY = "speech_lm_step_graphs"  # additional_config switch (default on)
 
 
 class StepModel(Protocol):
