@@ -19,7 +19,7 @@ from test_stage0_engine import PROMPTS, _assert_batch_equals_solo_runs, _assert_
 
 ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
 SIZES = [2, 5, 8]  # 1 row runs padded to 2, 3 and 4 rows to 5: padding rows on the scratch slot
-CASES = [  # one request each: a lone audio-only row, greedy, top-k, text then audio, CFG (ungraphed steps)
+CASES = [  # one request each: a lone audio-only row, greedy, top-k, text then audio, CFG
     dict(modality="audio", seed=12),
     dict(modality="text+audio", max_text_tokens=4, text_temperature=0.0, audio_temperature=0.0),
     dict(modality="audio", audio_temperature=1.3, audio_top_k=5, seed=13),
@@ -78,6 +78,25 @@ def test_graphed_steps_equal_reference(generator, reference):
         replays, staged, live = _counts(generator)
         assert replays > 100 and staged > 100  # most steps replayed, and fed the next step
         assert live == 0
+    finally:
+        _set_graphs(generator, None)
+
+
+@pytest.mark.skipif(CUDA, reason="the float32 reference equals the engine bitwise on CPU only")
+def test_guided_steps_replay_the_graphs(generator, reference):
+    """A batch of guided and unguided answers (2 CFG pairs and 2 lone rows: 6 rows padded to 8,
+    padding rows paired with themselves) replays the step graphs and equals the reference."""
+    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+    _set_graphs(generator, "eager")
+    try:
+        kws = [dict(modality="audio", cfg_scale=scale, seed=5, max_tokens=30) for scale in (3.0, 1.0, 2.0, 1.0)]
+        prompts = [generator.encode(prompt, None) for prompt in PROMPTS]
+        results = generator.run([generator.engine_request(ids, SpeechSamplingParams(**kw)) for ids, kw in zip(prompts, kws)])
+        for ids, kw, result in zip(prompts, kws, results):
+            _assert_same(result, reference.generate(ids, SpeechSamplingParams(**kw)))
+        replays, _, live = _counts(generator)
+        assert replays > 20 and live == 0
     finally:
         _set_graphs(generator, None)
 

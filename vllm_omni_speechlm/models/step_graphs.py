@@ -4,8 +4,9 @@ vLLM graphs the backbone. What follows it (LM head, phase machine, aux-stream sa
 stream-0 logits vLLM's sampler gets, then the emitted ids and next phases) is three
 `torch.compile`d calls and a dozen eager ops per step. At 64 requests on an H100 host the
 compiled-call path alone was 13% of the engine core's busy time (dynamo, AOT wrappers, Triton
-launchers), and that step is host-bound. Here a step whose rows all sample and hold no CFG pair
-replays two graphs around vLLM's sampler:
+launchers), and that step is host-bound. Here a step whose rows all sample replays two graphs
+around vLLM's sampler (with CFG pairs too: they are whole-row index and scale buffers, so a
+guided step has an unguided step's shapes):
 
     logits   [n, H] hidden states, rows' slots and output indices -> [n, V] stream-0 logits;
              writes the frames' aux streams, the aux history and next step's staged aux input
@@ -82,10 +83,14 @@ class StepGraphs:
         self._index = torch.zeros(2 * m, dtype=torch.long, device=device)  # [2, size] views, contiguous
         self.sampled = torch.zeros(m, 1, dtype=torch.int32, device=device)
         self.frames = torch.zeros(m, steps.speech.num_streams, dtype=torch.long, device=device)
+        # CFG pairs as whole rows (`SpeechLMSteps._guidance`); padding rows pair with themselves.
+        self._pairs = torch.zeros(2 * m, dtype=torch.long, device=device)  # [2, size] views, contiguous
+        self._scale = torch.ones(m, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._graphs: dict[tuple, _Graphs] = {}
         self._table_generation = -1
         self._current: _Graphs | None = None
+        self._size = 0  # the padded size of the step `logits` replayed
         self.num_replays = 0  # steps that replayed the graphs (tests, observability)
 
     def padded(self, n: int) -> int | None:
@@ -96,21 +101,44 @@ class StepGraphs:
     def index(self, size: int) -> torch.Tensor:
         return self._index[: 2 * size].view(2, size)
 
-    def logits(self, hidden: torch.Tensor, slots: np.ndarray, generated: np.ndarray, max_top_k: int, no_text_rows: bool) -> torch.Tensor | None:
-        """Replay the logits graph for these rows -> [n, V] stream-0 logits; None when the batch
-        has no graph (too large, or recording failed)."""
+    def logits(
+        self, hidden: torch.Tensor, slots: np.ndarray, generated: np.ndarray, max_top_k: int, no_text_rows: bool,
+        guidance: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> torch.Tensor | None:
+        """Replay the logits graph for these rows (and CFG pairs, `SpeechLMSteps._guidance`) ->
+        [n, V] stream-0 logits; None when the batch has no graph (too large, or recording failed)."""
         n, size = hidden.shape[0], self.padded(hidden.shape[0])
-        graphs = None if size is None else self._graphs_for((size, max_top_k, no_text_rows))
+        graphs = None if size is None else self._graphs_for((size, max_top_k, no_text_rows, guidance is not None))
         if graphs is None:
             return None
         index = np.zeros((2, size), dtype=np.int64)  # padding rows: the scratch slot, output 0
         index[0] = self.steps.table.scratch
         index[0, :n], index[1, :n] = slots, generated
         self.index(size).copy_(to_device(index, hidden.device), non_blocking=True)
+        if guidance is not None:
+            self._set_guidance(size, *guidance)
+        self._size = size
         self.hidden[:n].copy_(hidden)
         self._current = graphs
         self.num_replays += 1
         return graphs.logits()[:n]
+
+    def _set_guidance(self, size: int, pair: np.ndarray, scale: np.ndarray) -> None:
+        n = pair.shape[1]
+        padded = np.tile(np.arange(size), (2, 1))
+        padded[:, :n] = pair
+        self._pair(size).copy_(to_device(padded, self._pairs.device), non_blocking=True)
+        scales = np.ones(size, dtype=np.float32)
+        scales[:n] = scale
+        self._scale[:size].copy_(to_device(scales, self._scale.device), non_blocking=True)
+
+    def guided(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replayed step's guidance, the first n rows (`SpeechLMSteps.sample` mirrors the
+        companions' sampled ids with it)."""
+        return self._pair(self._size)[:, :n], self._scale[:n]
+
+    def _pair(self, size: int) -> torch.Tensor:
+        return self._pairs[: 2 * size].view(2, size)
 
     def advance(self, sampled: torch.Tensor) -> torch.Tensor:
         """Replay the advance graph of the step `logits` ran -> [n] emitted stream-0 ids."""
@@ -129,19 +157,24 @@ class StepGraphs:
             graphs = self._graphs[key] = self._record(*key)
         return graphs
 
-    def _record(self, size: int, max_top_k: int, no_text_rows: bool) -> _Graphs | None:
+    def _record(self, size: int, max_top_k: int, no_text_rows: bool, guided: bool) -> _Graphs | None:
         """Record both graphs of a key. Their first (eager) runs touch only the scratch slot."""
         steps, index = self.steps, self.index(size)
         index[0], index[1] = steps.table.scratch, 0
         hidden, sampled, frames = self.hidden[:size], self.sampled[:size], self.frames[:size]
+        guidance = None
+        if guided:  # recorded unpaired (every row its own partner); a replay reads the buffers
+            guidance = self._pair(size), self._scale[:size]
+            guidance[0][:] = torch.arange(size, device=self._pairs.device)
+            guidance[1][:] = 1.0
 
         def logits() -> torch.Tensor:
-            out = steps.logits_step(hidden, index, max_top_k, no_text_rows, None, frames, slice(None))
+            out = steps.logits_step(hidden, index, max_top_k, no_text_rows, guidance, frames, slice(None))
             steps.stage_next_aux(index)
             return out
 
-        def advance() -> torch.Tensor:
-            return steps.advance_step(sampled, index, slice(None), frames)
+        def advance() -> torch.Tensor:  # a companion advances with its main's sampled ids
+            return steps.advance_step(sampled[guidance[0][1]] if guided else sampled, index, slice(None), frames)
 
         try:
             graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))
@@ -149,5 +182,6 @@ class StepGraphs:
             logger.exception("speech LM step graphs: recording failed; steps run without them")
             self.record = None
             return None
-        logger.info("speech LM step graphs recorded: %d rows, top-k width %d, text rows %s", size, max_top_k, not no_text_rows)
+        logger.info("speech LM step graphs recorded: %d rows, top-k width %d, text rows %s, CFG pairs %s", size, max_top_k,
+                    not no_text_rows, guided)
         return graphs

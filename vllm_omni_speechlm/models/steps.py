@@ -82,7 +82,7 @@ class StepRows:
     sampled: slice | torch.Tensor | None = None  # the rows that sample; slice(None) when all do (no gather)
     index: torch.Tensor | None = None  # [2, N] device slots and output indices (logits)
     graphed: bool = False  # logits replayed the step graphs
-    guided: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CFG (main row, companion row, scale)
+    guided: tuple[torch.Tensor, torch.Tensor] | None = None  # CFG: [2, N] partner and source rows, [N] scale (`_guidance`)
 
 
 def _token_outputs(computed: np.ndarray, scheduled: np.ndarray, prompt_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -285,13 +285,14 @@ class SpeechLMSteps:
         generated = np.minimum(step.generated, table.max_output_len - 1)
         no_text_rows = table.num_text_capable == 0 and not self.text_rows.text_rows_possible()
         self.num_narrow_steps += no_text_rows
-        step.guided = self._guided_rows(step, device) if table.num_companions else None
+        guidance = self._guidance(step) if table.num_companions else None
         all_sample = all(step.samples)
-        if self.graphs is not None and step.guided is None and all_sample:
-            logits = self.graphs.logits(hidden_states, step.slots, generated, step.max_top_k, no_text_rows)
+        if self.graphs is not None and all_sample:
+            logits = self.graphs.logits(hidden_states, step.slots, generated, step.max_top_k, no_text_rows, guidance)
             if logits is not None:
-                step.graphed = True
+                step.graphed, step.guided = True, self.graphs.guided(n) if guidance is not None else None
                 return logits
+        step.guided = None if guidance is None else (to_device(guidance[0], device), to_device(guidance[1], device))
         step.index = to_device(np.stack([step.slots, generated]), device)  # [2, N], one copy
         # Rows that really sample (not a partial prefill chunk) update the request's state.
         step.sampled = slice(None) if all_sample else to_device(np.flatnonzero(step.samples), device)
@@ -349,15 +350,15 @@ class SpeechLMSteps:
         kinds = rules.row_kinds(table.phase[slots], table.mode[slots], table.segment[slots], phase_step, rows)
         aux_logits = self.model.aux_logits(hidden)
         if guided is not None:
-            raw, aux_logits = _merge_guided(raw, aux_logits, kinds, guided)
+            raw, aux_logits, kinds = _merge_guided(raw, aux_logits, kinds, guided)
         slots_sampled = rules.sample_aux_streams(aux_logits, rows, table.aux_noise(slots, generated, noise))
         aux = rules.aux_token_ids(slots_sampled, self.model.aux_start)
         pad = self.speech.specials.pad
         kept = torch.where(rules.aux_kept(kinds, phase_step), aux, pad)
         aux = torch.where(rules.aux_sampled(kinds, phase_step), aux, pad)
         if guided is not None:  # the companion is fed the main's tokens
-            main, companion, _ = guided
-            aux[companion], kept[companion] = aux[main], kept[main]
+            src = guided[0][1]
+            aux, kept = aux[src], kept[src]
         return raw, kinds, aux.to(torch.int32), kept.to(torch.int32)
 
     def _primary_logits_eager(
@@ -367,20 +368,23 @@ class SpeechLMSteps:
         rows = self.table.row_sampling(index[0], max_top_k)
         return self.rules.process_primary_logits(raw, kinds, rows, no_text_rows)
 
-    def _guided_rows(self, step: StepRows, device: torch.device) -> tuple | None:
-        """(main row, companion row, cfg scale) of this step's CFG pairs, or None. The scheduler
-        schedules a pair's members together, so both rows sample the same output position."""
+    @staticmethod
+    def _guidance(step: StepRows) -> tuple[np.ndarray, np.ndarray] | None:
+        """This step's CFG pairs as whole-batch rows, or None: [2, N] each row's unconditional
+        partner (a main's companion, else itself) and the row whose tokens it takes (a
+        companion's main, else itself), [N] its cfg scale (1 but on mains: the merge is then the
+        row itself, exactly). The scheduler schedules a pair's members together, so both rows
+        sample the same output position. Whole rows keep the shapes of a step graph's."""
         row = {e.req_id: i for i, e in enumerate(step.entries)}
-        pairs = [
-            (row[e.guided_by], i, step.entries[row[e.guided_by]].params.cfg_scale)
-            for i, e in enumerate(step.entries)
-            if e.guided_by in row and step.samples[i]
-        ]
+        pairs = [(row[e.guided_by], i) for i, e in enumerate(step.entries) if e.guided_by in row and step.samples[i]]
         if not pairs:
             return None
-        main, companion, scale = zip(*pairs)
-        scale = torch.tensor(scale, dtype=torch.float32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-        return to_device(list(main), device), to_device(list(companion), device), scale
+        main, companion = np.array(pairs).T
+        pair = np.tile(np.arange(len(step.entries)), (2, 1))
+        pair[0, main], pair[1, companion] = companion, main
+        scale = np.ones(len(step.entries), dtype=np.float32)
+        scale[main] = [step.entries[m].params.cfg_scale for m in main.tolist()]
+        return pair, scale
 
     # ---- sample ----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
@@ -390,15 +394,13 @@ class SpeechLMSteps:
             token, frames = self.graphs.advance(sampled), self.graphs.frames[: sampled.shape[0]]
         elif step.sampled is not None:
             if step.guided is not None:  # in place: vLLM feeds these ids to the next step
-                main, companion, _ = step.guided
-                sampled[companion] = sampled[main]
+                sampled.copy_(sampled[step.guided[0][1]])
             token, frames = self.advance_step(sampled, step.index, step.sampled, self._frames), self._frames
         else:
             return out
         sampled[:, 0] = token  # in place: vLLM stops on (and feeds) what is emitted
         if step.guided is not None:  # the companion emits what its main emits: vLLM stops both alike
-            main, companion, _ = step.guided
-            sampled[companion] = sampled[main]
+            sampled.copy_(sampled[step.guided[0][1]])
         # Stream-ordered before vLLM's own copy of the sampled ids, whose wait covers this one.
         self.frames_host.copy_(frames, non_blocking=True)
         self.text_rows.publish()
@@ -466,7 +468,7 @@ class SpeechLMSteps:
             for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
                 index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = self._global_aux_noise(n, device)
-                guided = (arange(pairs), arange(pairs) + pairs, torch.ones(pairs, device=device)) if pairs else None
+                guided = _warm_up_guidance(n, pairs, device) if pairs else None
                 merged, kinds, *_ = self._decode_rows(hidden[:n], raw[:n], index, 2, noise, guided)
                 for no_text_rows in (False, True):
                     self._primary_logits(merged, kinds, index, 2, no_text_rows)
@@ -478,15 +480,22 @@ class SpeechLMSteps:
 
 
 def _merge_guided(raw: torch.Tensor, aux: torch.Tensor, kinds: torch.Tensor, guided: tuple) -> tuple:
-    """CFG on the main rows' raw logits, every stream, audio rows only (the row kind was read
-    from the conditional logits, so modality choices are never guided). Companion rows take
-    their main's kind: whatever they sample is replaced by the main's tokens."""
-    main, companion, scale = guided
-    kinds[companion] = kinds[main]
-    audio = is_audio_row(kinds[main])
+    """CFG on the raw logits, every stream, audio rows only (the row kind was read from the
+    conditional logits, so modality choices are never guided), over whole rows (`_guidance`):
+    a main merges with its companion; any other row with itself at scale 1, which is the row.
+    Companion rows take their main's kind: whatever they sample is replaced by the main's tokens."""
+    pair, scale = guided
+    partner, src = pair[0], pair[1]
+    kinds = kinds[src]
+    audio = is_audio_row(kinds)
     raw, aux = raw.float(), aux.float()
-    merged = merge_guided(raw[main], raw[companion], scale[:, None])
-    raw[main] = torch.where(audio[:, None], merged, raw[main])
-    merged = merge_guided(aux[main], aux[companion], scale[:, None, None])
-    aux[main] = torch.where(audio[:, None, None], merged, aux[main])
-    return raw, aux
+    raw = torch.where(audio[:, None], merge_guided(raw, raw[partner], scale[:, None]), raw)
+    aux = torch.where(audio[:, None, None], merge_guided(aux, aux[partner], scale[:, None, None]), aux)
+    return raw, aux, kinds
+
+
+def _warm_up_guidance(n: int, pairs: int, device: torch.device) -> tuple:
+    """Whole-row guidance of `pairs` pairs (rows i and pairs + i) in n rows, as a step passes it."""
+    pair = np.tile(np.arange(n), (2, 1))
+    pair[0, :pairs], pair[1, pairs : 2 * pairs] = np.arange(pairs) + pairs, np.arange(pairs)
+    return to_device(pair, device), torch.ones(n, device=device)
