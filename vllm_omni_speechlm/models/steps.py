@@ -383,7 +383,7 @@ class SpeechLMSteps:
         pair = np.tile(np.arange(len(step.entries)), (2, 1))
         pair[0, main], pair[1, companion] = companion, main
         scale = np.ones(len(step.entries), dtype=np.float32)
-        scale[main] = [step.entries[m].params.cfg_scale for m in main.tolist()]
+        scale[main] = [step.entries[m].params.cfg_scale for m in main]
         return pair, scale
 
     # ---- sample ----------------------------------------------------------------------------
