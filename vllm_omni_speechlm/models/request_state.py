@@ -114,9 +114,9 @@ class RequestTable:
         return rules.text_soon_by_phase[self.phase[: self.capacity]].any()
 
     def write_admitted(self) -> None:
-        """The table rows of the requests admitted since the last call. One copy per table: a
-        blocking copy per request (a host tensor written into a device one) would wait for the
-        step's forward each time."""
+        """The table rows of the requests admitted since the last call, and released slots' phases
+        reset. One copy per table: a blocking copy per request (a host tensor written into a device
+        one) would wait for the step's forward each time."""
         if self._released:
             self.phase[to_device(self._released, self.device)] = int(Phase.START)
             self._released = []
