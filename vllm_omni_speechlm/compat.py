@@ -192,6 +192,7 @@ HOOKS = (
     Hook(_VOCAB_EMB, "org_vocab_size", "attribute"),
     Hook(_VOCAB_EMB, "padding_size", "attribute"),
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "use_custom_op_call", "attribute"),
+    Hook("vllm.distributed.parallel_state:GroupCoordinator", "_all_reduce_out_place", "override", "self, input_"),
 )
 
 
@@ -444,9 +445,18 @@ def custom_op_collectives(on: bool) -> bool:
     (`torch.ops.vllm.all_reduce` / `all_gather`, which torch.compile traces), as on CUDA, or
     directly through the communicator (CPU's default); -> the previous setting (tests)."""
     from vllm.distributed import get_tp_group
+    from vllm.distributed.parallel_state import GroupCoordinator
 
     group = get_tp_group()
     before, group.use_custom_op_call = group.use_custom_op_call, on
+    # `vllm::all_reduce` is declared functional: a new output, its input untouched, as CUDA's
+    # communicators run it. The CPU communicator reduces in place and returns its input, which a
+    # compiled graph's first call rejects (torch._functorch.config.error_on_custom_op_aliasing, on
+    # where $CI is set) and which would change a value the trace holds unchanged: reduce a copy.
+    if on:
+        group._all_reduce_out_place = lambda x: GroupCoordinator._all_reduce_out_place(group, x.clone())
+    else:
+        vars(group).pop("_all_reduce_out_place", None)
     return before
 
 
