@@ -5,7 +5,8 @@ text LM of the same backbone decoding N completions at once.
     python benchmarks/serve_load.py --tiny --out /tmp/serve_load.json   # CPU, the tiny checkpoint
 
 Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy` for
-another one), with dummy weights as the only change (Bagpiper layout at Qwen3-8B geometry, a random
+another one; several: one server after the other, levels keyed "N @deploy"), with dummy weights as
+the only change (Bagpiper layout at Qwen3-8B geometry, a random
 X-Codec decoder of the released geometry). Every answer asks for exactly --gen-len audio frames
 (its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale
 (several values: each is measured at every level on the same server, key "N cfg=X").
@@ -15,6 +16,7 @@ SSE with `--format sse`), and the client times every chunk. Per level:
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
     stall-free    share of answers with no stall (under 1 ms in all)
+    first chunks  one listener's first chunks: (arrival s, audio s) each, to see where a stall starts
     rtf           answer's wall time / its audio seconds (mean)
     audio s / s   all audio received / the level's wall time
     errors, answers without audio
@@ -54,6 +56,7 @@ from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 PROMPT = "Tell me about the sea."
 BUFFER_S = 0.2
 STALL_FREE_S = 1e-3
+FIRST_CHUNKS = 12
 
 
 # ---- files --------------------------------------------------------------------------------
@@ -122,6 +125,7 @@ async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
         "stall_s": stall_s(chunks, 0.0),
         "stall_buffered_s": stall_s(chunks, BUFFER_S),
         "chunks": len(chunks),
+        "first_chunks": [(round(at, 4), round(seconds, 4)) for at, seconds in chunks[:FIRST_CHUNKS]],
     }
 
 
@@ -146,6 +150,7 @@ def speech_summary(results: list[dict], wall: float) -> dict:
         "audio_s_per_request": statistics.fmean(r["audio_s"] for r in heard) if heard else 0.0,
         "audio_s_per_wall_s": sum(r["audio_s"] for r in heard) / wall,
         "wall_s": wall,
+        "first_chunks": heard[0]["first_chunks"] if heard else [],
     }
 
 
@@ -239,7 +244,7 @@ def measure(url: str, levels: list[str], request, summary, report: dict, save) -
         stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
         report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
-        print(level, json.dumps({k: v for k, v in report[level].items() if k != "error_samples"}), flush=True)
+        print(level, json.dumps({k: v for k, v in report[level].items() if k not in ("error_samples", "first_chunks")}), flush=True)
 
 
 def level_names(levels: list[int], cfgs: list[float | None]) -> dict[str, float | None]:
@@ -255,6 +260,25 @@ def first_requests(server: VllmServer, request, summary) -> dict:
     return asyncio.run(run_level(server.url, 2, request, summary))
 
 
+def serve_speech(model_dir: str, deploy_name: str, suffix: str, args, levels: list[int], frames: int, work: Path,
+                 report: dict, save) -> None:
+    """One speech server on `deploy_name`: its first requests, then every level (keys end in `suffix`)."""
+    deploy = dummy_weights_deploy(deploy_name, work / deploy_name, args.set)
+    body = {"input": PROMPT, "response_format": "pcm", "min_audio_frames": frames, "max_audio_frames": frames,
+            "max_new_tokens": frames + DELAY_STEPS + 2}
+    body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
+    log = work / f"speech{suffix.replace(' @', '_')}.log"
+    with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], log, entrypoint=VLLM_SERVE) as server:
+        scales = {name + suffix: cfg for name, cfg in level_names(levels, args.cfg_scale or [None]).items()}
+
+        def request(level: str):
+            guided = body if scales[level] is None else body | {"cfg_scale": scales[level]}
+            return lambda c, i: listen(c, guided | {"seed": i}, args.format == "sse")
+
+        report["first_requests"]["speech" + suffix] = first_requests(server, request(next(iter(scales))), speech_summary)
+        measure(server.url, list(scales), request, speech_summary, report["speech"], save)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -263,7 +287,8 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, help="audio frames per answer, tokens per completion (default 300; --tiny 60)")
     ap.add_argument("--format", choices=["pcm", "sse"], default="pcm", help="raw PCM stream or SSE events")
     ap.add_argument("--cfg-scale", type=float, nargs="+", help="every answer's guidance (default: the checkpoint's)")
-    ap.add_argument("--deploy", help="the shipped deploy YAML (default bagpiper_streaming[_cpu_tiny].yaml)")
+    ap.add_argument("--deploy", nargs="+", help="shipped deploy YAMLs, served one after the other "
+                    "(default bagpiper_streaming[_cpu_tiny].yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="change one stage setting of the deploy YAML (diagnosis)")
     ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
@@ -271,7 +296,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = args.concurrency or ([1, 4] if args.tiny else [1, 16, 64, 128, 192, 256])
     frames = args.gen_len or (60 if args.tiny else 300)
-    deploy_name = args.deploy or ("bagpiper_streaming_cpu_tiny.yaml" if args.tiny else "bagpiper_streaming.yaml")
+    deploys = args.deploy or ["bagpiper_streaming_cpu_tiny.yaml" if args.tiny else "bagpiper_streaming.yaml"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serve-load-"))
 
     import torch
@@ -281,9 +306,9 @@ def main() -> None:
     report = {
         "benchmark": "serve_load", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
-        "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploy_name,
+        "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploys,
                                   "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S},
-        "first_requests": {}, "speech": {}, "text": {},
+        "first_requests": {}, "speech": {}, "text": {}, "failed": {},
     }
 
     def save() -> None:
@@ -291,19 +316,15 @@ def main() -> None:
 
     if "speech" in args.engines:
         model_dir = write_checkpoint(str(work / "ckpt"), args.tiny)
-        deploy = dummy_weights_deploy(deploy_name, work / deploy_name, args.set)
-        body = {"input": PROMPT, "response_format": "pcm", "min_audio_frames": frames, "max_audio_frames": frames,
-                "max_new_tokens": frames + DELAY_STEPS + 2}
-        body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
-        with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], work / "speech.log", entrypoint=VLLM_SERVE) as server:
-            scales = level_names(levels, args.cfg_scale or [None])
-
-            def request(level: str):
-                guided = body if scales[level] is None else body | {"cfg_scale": scales[level]}
-                return lambda c, i: listen(c, guided | {"seed": i}, args.format == "sse")
-
-            report["first_requests"]["speech"] = first_requests(server, request(next(iter(scales))), speech_summary)
-            measure(server.url, list(scales), request, speech_summary, report["speech"], save)
+        for name in deploys:
+            suffix = f" @{Path(name).stem}" if len(deploys) > 1 else ""
+            try:
+                serve_speech(model_dir, name, suffix, args, levels, frames, work, report, save)
+            except (RuntimeError, TimeoutError, httpx.HTTPError) as e:  # a server that fails: the next one still runs
+                if len(deploys) == 1:
+                    raise
+                report["failed"][name] = f"{type(e).__name__}: {e}"[-3000:]
+                save()
     if "text" in args.engines:
         from vllm_omni_speechlm.make_tiny import BAGPIPER_8B, BackboneGeometry, write_geometry_config
 

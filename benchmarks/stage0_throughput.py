@@ -155,9 +155,11 @@ def bench_speech_lm(model_dir: str, args) -> dict:
 
     from vllm_omni_speechlm import plugin
     from vllm_omni_speechlm.config import STEP_GRAPHS_KEY
+    from vllm_omni_speechlm.models.steps import step_counters
     from vllm_omni_speechlm.sampling_params import SPEECH_PARAMS_KEY
 
     plugin.register()
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of `step_counters`
     extra = {"worker_cls": args.speech_worker_cls} if args.speech_worker_cls else {}  # default: the YAML's
     if args.no_step_graphs:
         extra["additional_config"] = {STEP_GRAPHS_KEY: False}
@@ -191,12 +193,22 @@ def bench_speech_lm(model_dir: str, args) -> dict:
             hashes.append(hashlib.sha256(codes.numpy().tobytes()).hexdigest())
         return {"frames": gen, "seed": 1234, "sha256": hashes[0], "stable": hashes[0] == hashes[1]}
 
+    def counters() -> dict[str, int]:
+        per_rank = omni.engine.collective_rpc("apply_model", args=(step_counters,), stage_ids=[0])
+        while isinstance(per_rank, list):  # [stage][rank]: rank 0's
+            per_rank = per_rank[0]
+        return per_rank
+
     def timed(n: int, gen: int, label: str, cfg_scale: float = 1.0) -> dict:
+        before = counters()
         r = _median_run(args, lambda repeat: frames(requests(_batch(args, n, gen, repeat), cfg_scale), gen))
+        after = counters()
         rows_per_request = 2 if cfg_scale > 1 else 1
         result = {"requests": n, "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
         result |= {"runs_frames_per_s": r["runs_per_s"], "decode_rows_per_s": rows_per_request * r["per_s"]}
-        print(f"speech LM gen {gen:4d} {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s (median of {[round(x) for x in r['runs_per_s']]})", flush=True)
+        result["steps"] = {k: after[k] - before[k] for k in after}  # all runs: graphed and narrow of all
+        print(f"speech LM gen {gen:4d} {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s "
+              f"(median of {[round(x) for x in r['runs_per_s']]}), steps {result['steps']}", flush=True)
         return result
 
     results: dict = {}

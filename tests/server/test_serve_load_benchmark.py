@@ -42,6 +42,8 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     assert speech["audio_s_per_request"] >= report["settings"]["audio_s_per_answer"]  # eos was masked that long
     assert 0 < speech["first_audio_p50_s"] <= speech["first_audio_max_s"] and speech["rtf_mean"] > 0
     assert 0.0 <= speech["stall_free"] <= speech["stall_free_buffered"] <= 1.0
+    arrivals = [at for at, _ in speech["first_chunks"]]  # one listener's timeline
+    assert arrivals == sorted(arrivals) and all(seconds > 0 for _, seconds in speech["first_chunks"])
     assert text["errors"] == 0 and text["decode_tok_s_per_request_p50"] > 0
     # What the server saw: stage 0 stepped a batch of both answers, stage 1 decoded windows.
     assert speech["server"]["steps[0]"] >= 30 and speech["server"]["tokens_per_step[0]"] > 1

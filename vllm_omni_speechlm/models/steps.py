@@ -142,6 +142,7 @@ class SpeechLMSteps:
         self.num_resumed_companions = 0
         self.num_graph_staged_steps = 0  # steps whose aux input the step graphs staged
         self.num_narrow_steps = 0  # steps whose stream-0 logits skipped the text columns
+        self.num_steps = 0  # steps with requests
         self.text_rows: TextRowsWatch | None = None
         self.compile_step_functions(step_compile_backend(vllm_config))
 
@@ -280,6 +281,7 @@ class SpeechLMSteps:
                 self.warm_up_step_functions(hidden_states, raw)
             return raw
         table, _ = self.state()
+        self.num_steps += 1
         if step.max_top_k is None:
             step.max_top_k = max(e.max_top_k for e in step.entries)
         generated = np.minimum(step.generated, table.max_output_len - 1)
@@ -499,3 +501,11 @@ def _warm_up_guidance(n: int, pairs: int, device: torch.device) -> tuple:
     pair = np.tile(np.arange(n), (2, 1))
     pair[0, :pairs], pair[1, pairs : 2 * pairs] = np.arange(pairs) + pairs, np.arange(pairs)
     return to_device(pair, device), torch.ones(n, device=device)
+
+
+def step_counters(model: StepModel) -> dict[str, int]:
+    """A stage model's steps with requests, those that replayed the step graphs and those that
+    skipped the text columns (benchmarks, through collective_rpc: did a run take the fast paths?)."""
+    steps = model.steps
+    graphed = 0 if steps.graphs is None else steps.graphs.num_replays
+    return {"steps": steps.num_steps, "graphed": graphed, "narrow": steps.num_narrow_steps}
