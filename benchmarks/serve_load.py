@@ -104,7 +104,7 @@ def _sse_audio(line: str) -> bytes:
 
 async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
     """One streamed answer, timed at the client: (arrival, audio seconds) per chunk."""
-    sent, chunks = time.perf_counter(), []
+    sent, sent_wall, chunks = time.perf_counter(), time.time(), []
     try:
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:
             if r.status_code != 200:
@@ -126,6 +126,7 @@ async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
         "stall_buffered_s": stall_s(chunks, BUFFER_S),
         "chunks": len(chunks),
         "first_chunks": [(round(at, 4), round(seconds, 4)) for at, seconds in chunks[:FIRST_CHUNKS]],
+        "sent_wall": sent_wall,
     }
 
 
@@ -151,6 +152,7 @@ def speech_summary(results: list[dict], wall: float) -> dict:
         "audio_s_per_wall_s": sum(r["audio_s"] for r in heard) / wall,
         "wall_s": wall,
         "first_chunks": heard[0]["first_chunks"] if heard else [],
+        "sent_wall": min((r["sent_wall"] for r in ok), default=None),  # the level's start (server logs)
     }
 
 

@@ -21,12 +21,14 @@ is checked against float32 whole-clip decoding.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.resample import requested_rate, resample
@@ -110,7 +112,12 @@ class SpeechLMCodecDecoder(nn.Module):
         infos = list(runtime_additional_information or [])
         infos += [{}] * (len(counts) - len(infos))
         windows = [w[: w.numel() - w.numel() % self.num_quantizers] for w in torch.split(ids, counts)]
+        started = time.time()
         audio = self.decode_windows(windows, infos)
+        if window_trace.ENABLED:  # diagnosis only: waits for the decode
+            if ids.is_cuda:
+                torch.cuda.synchronize(ids.device)
+            window_trace.log_forward(infos, started, sum(w.numel() for w in windows) // self.num_quantizers)
         sr = [torch.tensor(requested_rate(info, self.sample_rate), dtype=torch.int32) for info in infos]
         return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": audio, "sr": sr})
 

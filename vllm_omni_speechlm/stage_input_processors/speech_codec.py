@@ -48,6 +48,7 @@ from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_com
 from vllm_omni_speechlm.frames import frame_rows
 from vllm_omni_speechlm.resample import RATE_KEY, requested_rate
 from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
+from vllm_omni_speechlm.window_trace import stamp
 
 
 @functools.lru_cache(maxsize=8)
@@ -142,6 +143,7 @@ def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict
         CodesStruct(audio=codes.reshape(-1)),
         MetaStruct(left_context_size=left, right_holdback_size=holdback),
         **({RATE_KEY: state["rate"]} if state["rate"] else {}),
+        **stamp(),
     )
 
 

@@ -1,0 +1,43 @@
+"""Per-window timing of the streaming path, for diagnosis (`SPEECHLM_TRACE_WINDOWS=1` in the
+server's environment; off by default, and then nothing is added to a window or logged).
+
+Stage 0's processor stamps each window with the wall clock it was made at (`SENT_KEY`, an integer
+in microseconds, carried like the output rate); stage 1 logs one line per forward: how many
+windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
+and how long the decode took. `benchmarks/window_trace.py` summarizes the lines of a server log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+ENABLED = os.environ.get("SPEECHLM_TRACE_WINDOWS") == "1"
+SENT_KEY = "window_sent_us"
+LINE = "window trace:"
+logger = logging.getLogger(__name__)
+
+
+def stamp() -> dict[str, int]:
+    """A window's extra information: when it was made ({} when tracing is off)."""
+    return {SENT_KEY: time.time_ns() // 1000} if ENABLED else {}
+
+
+def sent_us(info: Any) -> int | None:
+    value = info.get(SENT_KEY) if isinstance(info, dict) else None
+    if isinstance(value, list):  # scalars may arrive wrapped
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def log_forward(infos: list[dict], started: float, frames: int) -> None:
+    """Stage 1, after a forward that began at `started` (time.time()) and decoded `frames`."""
+    sent = [s for s in map(sent_us, infos) if s is not None]
+    if not sent:
+        return
+    done = time.time()
+    waits = sorted(started * 1e3 - s / 1e3 for s in sent)
+    logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f",
+                LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3)
