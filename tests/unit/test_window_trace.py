@@ -1,0 +1,38 @@
+"""The window trace (vllm_omni_speechlm/window_trace.py): off, a window carries nothing extra; on,
+stage 1's line parses in benchmarks/window_trace.py and gives each window's wait and the decode."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_speechlm import window_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+def test_off_adds_nothing(monkeypatch):
+    monkeypatch.setattr(window_trace, "ENABLED", False)
+    assert window_trace.stamp() == {}
+
+
+def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
+    from window_trace import LINE, summarize
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    now = time.time()
+    infos = [{window_trace.SENT_KEY: [int((now - 0.030) * 1e6)]}, {window_trace.SENT_KEY: int((now - 0.010) * 1e6)}, {}]
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        window_trace.log_forward(infos, started=now, frames=120)
+    [line] = [r.getMessage() for r in caplog.records]
+    t, windows, frames, wait_min, wait_max, decode = map(float, LINE.search(line).groups())
+    assert (windows, frames) == (2, 120)  # the untraced window is not counted
+    assert wait_min == pytest.approx(10, abs=0.2) and wait_max == pytest.approx(30, abs=0.2)
+    assert 0 <= decode < 1000 and t >= now - 1e-3  # logged to the millisecond
+    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)])
+    assert summary["forwards"] == 2 and summary["windows_per_forward"] == 1.5
+    assert summary["interval_ms"]["p50"] == pytest.approx(50, abs=0.01)
