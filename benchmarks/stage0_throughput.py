@@ -51,6 +51,10 @@ def _batch(args, n: int, gen: int, repeat: int) -> list[list[int]]:
     return _prompts(n, args.prompt_len, seed=(gen * 10_000 + n) * 100 + repeat)
 
 
+def _minus(a, b):
+    return [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
+
+
 def _median_run(args, run) -> dict:
     """`run(repeat)` (-> items generated) for each of --repeats runs: the median run by rate, with
     every run's rate. Single runs of the same code on one host have differed by up to 25% (short
@@ -206,7 +210,7 @@ def bench_speech_lm(model_dir: str, args) -> dict:
         rows_per_request = 2 if cfg_scale > 1 else 1
         result = {"requests": n, "seconds": r["seconds"], "frames": r["count"], "frames_per_s": r["per_s"]}
         result |= {"runs_frames_per_s": r["runs_per_s"], "decode_rows_per_s": rows_per_request * r["per_s"]}
-        result["steps"] = {k: after[k] - before[k] for k in after}  # all runs: graphed and narrow of all
+        result["steps"] = {k: _minus(after[k], before[k]) for k in after}  # all runs: graphed and narrow of all
         print(f"speech LM gen {gen:4d} {label}: {r['per_s']:9.1f} frames/s, {result['decode_rows_per_s']:9.1f} rows/s "
               f"(median of {[round(x) for x in r['runs_per_s']]}), steps {result['steps']}", flush=True)
         return result

@@ -217,9 +217,9 @@ def test_the_wire_form_carries_every_option_but_the_seed():
 
 
 @pytest.mark.parametrize("family", ["bagpiper", "opuslm"])
-def test_text_rows_are_two_notes_away(family):
+def test_text_rows_are_three_notes_away(family):
     """`TextRowsWatch`'s premise: a text row is computed only in a phase `text_soon_by_phase`
-    marks, and so is the row before it (a step may read the note of the advance before last).
+    marks, and so are the two rows before it (a step may read the note of three advances ago).
     Random audio answers (the other modes are text-capable on the host from the start), each
     row's token drawn from what its kind allows, segment markers often."""
     from vllm_omni_speechlm.config import opuslm_layout
@@ -242,7 +242,7 @@ def test_text_rows_are_two_notes_away(family):
             kind = rules.row_kinds(phase, m, seg, step, rows)
             if int(kind) in text_kinds:
                 text_rows += 1
-                assert soon[-2:] == [True, True][: len(soon[-2:])] and len(soon) >= 2
+                assert len(soon) >= 3 and soon[-3:] == [True, True, True]
             allowed = torch.isfinite(rules.mask_bias[kind[0]]).nonzero().squeeze(1)
             marked = allowed[torch.isin(allowed, markers)]  # drawn often: they change the phase
             pool = marked if len(marked) and torch.rand(1, generator=g) < 0.3 else allowed

@@ -114,8 +114,8 @@ class SpeechLMCodecDecoder(nn.Module):
         windows = [w[: w.numel() - w.numel() % self.num_quantizers] for w in torch.split(ids, counts)]
         started = time.time()
         audio = self.decode_windows(windows, infos)
-        if window_trace.ENABLED:  # diagnosis only: waits for the decode
-            if ids.is_cuda:
+        if window_trace.ENABLED and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if ids.is_cuda:  # diagnosis only: waits for the decode
                 torch.cuda.synchronize(ids.device)
             window_trace.log_forward(infos, started, sum(w.numel() for w in windows) // self.num_quantizers)
         sr = [torch.tensor(requested_rate(info, self.sample_rate), dtype=torch.int32) for info in infos]

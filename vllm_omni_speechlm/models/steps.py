@@ -504,8 +504,10 @@ def _warm_up_guidance(n: int, pairs: int, device: torch.device) -> tuple:
 
 
 def step_counters(model: StepModel) -> dict[str, int]:
-    """A stage model's steps with requests, those that replayed the step graphs and those that
-    skipped the text columns (benchmarks, through collective_rpc: did a run take the fast paths?)."""
+    """A stage model's steps with requests, those that replayed the step graphs, those that skipped
+    the text columns, and how old the text-rows note each read was (`TextRowsWatch.num_read`)
+    (benchmarks, through collective_rpc: did a run take the fast paths?)."""
     steps = model.steps
     graphed = 0 if steps.graphs is None else steps.graphs.num_replays
-    return {"steps": steps.num_steps, "graphed": graphed, "narrow": steps.num_narrow_steps}
+    notes = [] if steps.text_rows is None else steps.text_rows.num_read
+    return {"steps": steps.num_steps, "graphed": graphed, "narrow": steps.num_narrow_steps, "notes_read": notes}
