@@ -4,14 +4,20 @@ OpusLM, from the checkpoint's `codec.type`) as a vllm-omni generation model.
 Each scheduled request carries one window from stage_input_processors/speech_codec.py as its
 prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_context_size` /
 `meta.right_holdback_size` in its runtime information. One forward decodes all windows of the
-step, windows of equal length together in one batched codec call (unequal lengths are not padded:
-padding frames would change the last real frames' audio, which at a clip's end is kept), and
-returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
+step in few batched codec calls, and returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
 (DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`), or at the
 rate the request asked for (`resample.py`: each window resampled whole, then trimmed), reported as
 its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
 window lists its segments' lengths (`meta.segment_frames`), and each segment is decoded (and
 resampled) on its own.
+
+Shapes: a window that keeps a lookahead (holdback >= the codec's right reach) is padded on the
+right to a multiple of FRAME_BUCKET frames (frames past the lookahead cannot reach the kept ones),
+and each call's batch to a bucket size (`batch_bucket`), so the decoder meets a few shapes, which
+vLLM's first dummy forward (its memory profile) decodes once each (`warm_up`): a shape's first
+decode picks cuDNN algorithms and allocates, ~50-100 ms on an H100, which a listener would hear.
+A window without lookahead (a clip's end) is decoded at its own length: padding would change its
+last frames, which whole-clip decoding ends with zeros.
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -21,6 +27,7 @@ is checked against float32 whole-clip decoding.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +39,9 @@ from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.codec import load_codec_decoder
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.resample import requested_rate, resample
+from vllm_omni_speechlm.streaming import max_window_ids, window_settings
+
+logger = logging.getLogger(__name__)
 
 
 def _meta(info: Any, key: str) -> Any:
@@ -53,6 +63,18 @@ def _meta_ints(info: Any, key: str) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else []
 
 
+FRAME_BUCKET = 16
+
+
+def batch_bucket(n: int) -> int:
+    """The batch a call of n windows runs at: a power of two up to 16, then a multiple of 16."""
+    return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
+
+
+def frame_bucket(frames: int) -> int:
+    return -(-frames // FRAME_BUCKET) * FRAME_BUCKET
+
+
 class SpeechLMCodecDecoder(nn.Module):
     """Generation-stage codec decoder (decoder path only)."""
 
@@ -64,6 +86,14 @@ class SpeechLMCodecDecoder(nn.Module):
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__()
         self._setup(vllm_config.model_config.model, vllm_config.device_config.device)
+        model_config = vllm_config.model_config
+        extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}
+        # The shapes a streamed window can take (async_chunk), warmed by the first dummy forward.
+        sched = vllm_config.scheduler_config
+        self._warm_shapes = (
+            (sched.max_num_seqs, max_window_ids(window_settings(extra), self.num_quantizers) // self.num_quantizers,
+             sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
+        )
 
     @classmethod
     def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu") -> SpeechLMCodecDecoder:
@@ -79,6 +109,19 @@ class SpeechLMCodecDecoder(nn.Module):
         self.num_quantizers = self.codec.config.num_quantizers
         self.hop = self.codec.config.hop_length
         self.sample_rate = self.codec.config.sample_rate
+        self.right_reach = self.codec.config.receptive_field_frames[1]
+        self._warm_shapes: tuple[int, int] | None = None
+
+    def warm_up(self, max_batch: int, max_frames: int, max_ids: int) -> int:
+        """Decode once every (batch bucket, frame bucket) a streamed window can meet: up to
+        `max_batch` windows of up to `max_frames`, at most `max_ids` codes a step -> shapes."""
+        device = next(self.codec.parameters()).device
+        shapes = [(b, t) for b in sorted({batch_bucket(n) for n in range(1, max_batch + 1)})
+                  for t in range(FRAME_BUCKET, frame_bucket(max_frames) + 1, FRAME_BUCKET)
+                  if batch_bucket(max(1, max_ids // (t * self.num_quantizers))) >= b]
+        for b, t in shapes:
+            self.codec.decode(torch.zeros((b, self.num_quantizers, t), dtype=torch.long, device=device))
+        return len(shapes)
 
     # ---- engine hooks ---------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -110,11 +153,14 @@ class SpeechLMCodecDecoder(nn.Module):
         ids = input_ids.reshape(-1) if input_ids is not None else torch.zeros(0, dtype=torch.long)
         counts = list(kwargs.get("seq_token_counts") or [int(ids.numel())])
         infos = list(runtime_additional_information or [])
+        if not infos and self._warm_shapes is not None and not _capturing(ids):  # vLLM's dummy forward
+            shapes, self._warm_shapes = self._warm_shapes, None
+            logger.info("codec stage: %d window shapes decoded once", self.warm_up(*shapes))
         infos += [{}] * (len(counts) - len(infos))
         windows = [w[: w.numel() - w.numel() % self.num_quantizers] for w in torch.split(ids, counts)]
         started = time.time()
         audio = self.decode_windows(windows, infos)
-        if window_trace.ENABLED and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if window_trace.ENABLED and not _capturing(ids):
             if ids.is_cuda:  # diagnosis only: waits for the decode
                 torch.cuda.synchronize(ids.device)
             window_trace.log_forward(infos, started, sum(w.numel() for w in windows) // self.num_quantizers)
@@ -149,14 +195,17 @@ class SpeechLMCodecDecoder(nn.Module):
         return [(c, left if j == 0 else 0, holdback if j == last else 0, rate) for j, c in enumerate(parts)]
 
     def _decode_pieces(self, pieces: list[tuple[torch.Tensor, int, int, int]]) -> list[torch.Tensor]:
-        """Decode (codes [T, Q], left, holdback, rate) pieces, equal lengths and rates in one
-        batched call; keep each piece's new audio."""
+        """Decode (codes [T, Q], left, holdback, rate) pieces, those of one (bucketed) length and
+        rate in one batched call; keep each piece's new audio."""
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32)] * len(pieces)
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, (codes, _, _, rate) in enumerate(pieces):
-            groups.setdefault((codes.shape[0], rate), []).append(i)
-        for (_, rate), idx in groups.items():
-            codes = torch.stack([pieces[i][0] for i in idx])  # [B, T, Q]
+        for i, (codes, _, holdback, rate) in enumerate(pieces):
+            padded = holdback > 0 and holdback >= self.right_reach  # a lookahead: frames past it do not reach back
+            frames = frame_bucket(codes.shape[0]) if padded else codes.shape[0]
+            groups.setdefault((frames, rate), []).append(i)
+        for (frames, rate), idx in groups.items():
+            rows = [_pad_frames(pieces[i][0], frames) for i in idx]
+            codes = torch.stack(rows + rows[:1] * (batch_bucket(len(rows)) - len(rows)))  # [B, T, Q]
             # The processor clamps to [0, codebook_size); clamp again so a stray id (a dummy run)
             # cannot index out of the codebooks.
             codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
@@ -164,7 +213,7 @@ class SpeechLMCodecDecoder(nn.Module):
             wav = resample(self.codec.decode(codes).float(), self.sample_rate, rate)  # [B, ~T * hop]
             hop = self.hop * rate // self.sample_rate
             for row, i in enumerate(idx):
-                out[i] = self._trim(wav[row], codes.shape[-1], *pieces[i][1:3], hop)
+                out[i] = self._trim(wav[row], pieces[i][0].shape[0], *pieces[i][1:3], hop)
         return out
 
     @staticmethod
@@ -174,6 +223,15 @@ class SpeechLMCodecDecoder(nn.Module):
         start = left * hop
         end = min(wav.shape[-1], (num_frames - holdback) * hop)
         return wav[start:max(start, end)].contiguous()
+
+
+def _pad_frames(codes: torch.Tensor, frames: int) -> torch.Tensor:
+    """[T, Q] codes -> [frames, Q], the last frame repeated (any codes do: past the lookahead)."""
+    return torch.cat([codes, codes[-1:].expand(frames - codes.shape[0], -1)]) if frames > codes.shape[0] else codes
+
+
+def _capturing(ids: torch.Tensor) -> bool:
+    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 BagpiperCodecDecoder = SpeechLMCodecDecoder  # the architecture name Bagpiper's pipelines use

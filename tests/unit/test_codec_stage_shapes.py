@@ -1,0 +1,55 @@
+"""The codec stage's shapes (models/codec_stage.py): windows with a lookahead decode padded to a
+frame bucket in a padded batch, and keep exactly the audio each gives decoded alone at its own
+length; a window without lookahead (a clip's end) is not padded; the warm-up covers the buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni_speechlm.models.codec_stage import SpeechLMCodecDecoder, batch_bucket, frame_bucket
+
+
+@pytest.mark.parametrize("n, bucket", [(1, 1), (3, 4), (16, 16), (17, 32), (33, 48), (256, 256)])
+def test_batch_buckets(n, bucket):
+    assert batch_bucket(n) == bucket
+
+
+@pytest.fixture(scope="module", params=["bagpiper", "opuslm"])
+def stage(request, tmp_path_factory):
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny(request.param, out, seed=0)
+    return SpeechLMCodecDecoder.from_model_dir(str(out))
+
+
+def _alone(stage, codes: torch.Tensor, left: int, holdback: int) -> torch.Tensor:
+    """A window decoded by itself at its own length, its new frames kept."""
+    wav = stage.codec.decode(codes.T[None])[0].float()
+    return stage._trim(wav, codes.shape[0], left, holdback, stage.hop)
+
+
+def test_padded_windows_keep_what_each_gives_alone(stage):
+    g = torch.Generator().manual_seed(0)
+    q, size, reach = stage.num_quantizers, stage.codec.config.codebook_size, stage.right_reach
+    # (left, new, holdback): ramp windows with a lookahead (padded to 16 / 32 frames), a clip's end
+    shapes = [(0, 2, reach), (2, 2, reach), (4, 4, reach), (8, 8, reach), (3, 5, 0)]
+    windows = [torch.randint(0, size, (left + new + hold, q), generator=g) for left, new, hold in shapes]
+    infos = [{"meta": {"left_context_size": left, "right_holdback_size": hold}} for left, _, hold in shapes]
+    atol = 1e-3 if stage.cfg.codec.type == "dac" else 1e-4  # float rounding of other shapes (streaming tests' bounds)
+    with torch.inference_mode():
+        got = stage.decode_windows([w.reshape(-1) for w in windows], infos)
+        for w, (left, new, hold), audio in zip(windows, shapes, got):
+            assert frame_bucket(w.shape[0]) > w.shape[0] or hold == 0  # the case pads
+            torch.testing.assert_close(audio, _alone(stage, w, left, hold), atol=atol, rtol=0)
+            assert audio.numel() <= new * stage.hop
+
+
+def test_warm_up_decodes_every_bucket(stage):
+    with torch.inference_mode():
+        assert stage.warm_up(max_batch=20, max_frames=40, max_ids=10**6) == len([1, 2, 4, 8, 16, 32]) * len([16, 32, 48])
+        # a step's code budget caps the batch of longer windows: 20 of 16 frames, 10 of 32, 6 of 48
+        # (bucketed up to 32, 16, 8)
+        q = stage.num_quantizers
+        assert stage.warm_up(max_batch=20, max_frames=40, max_ids=20 * 16 * q) == 6 + 5 + 4
