@@ -3,8 +3,8 @@ same backbone on vLLM, dummy weights, fixed-length generation.
 
     python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512] [--gen-len 256 640] [--cfg]
 
-Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step) and
-ignore eos, so every request generates exactly --gen-len steps; the baseline generates
+Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step: one audio
+segment, eot masked as eos is) and ignore eos, so every request generates exactly --gen-len steps; the baseline generates
 --gen-len text tokens per request. Several --gen-len values are measured on the same engines
 (a step's GPU work grows with the context, its host work does not). Reported per generation
 length and concurrency: frames/s (Bagpiper) or tok/s (text LM), the median of --repeats timed
@@ -49,6 +49,9 @@ def _batch(args, n: int, gen: int, repeat: int) -> list[list[int]]:
     skip almost all of its prefill from a batch's second run on, while the speech LM runs without
     one (docs/architecture.md). Both engines get the same prompts."""
     return _prompts(n, args.prompt_len, seed=(gen * 10_000 + n) * 100 + repeat)
+
+
+ONE_SEGMENT = 100_000  # frames: no eot in an answer of any --gen-len
 
 
 def _minus(a, b):
@@ -172,7 +175,10 @@ def bench_speech_lm(model_dir: str, args) -> dict:
     omni = Omni(model=model_dir, deploy_config=stage_configs.path("speech_lm_only.yaml"), **_engine_settings(args), **extra)
 
     def requests(prompts: list[list[int]], cfg_scale: float = 1.0) -> list[dict]:
-        speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale}}
+        # One audio segment per answer, as a released model speaks: eot is masked (min_audio_frames)
+        # where the dummy weights would draw it and wander into text segments.
+        speech = {SPEECH_PARAMS_KEY: {"modality": "audio", "audio_temperature": 0.8, "audio_top_k": 20, "cfg_scale": cfg_scale,
+                                      "min_audio_frames": ONE_SEGMENT}}
         return [{"prompt_token_ids": p, "additional_information": speech} for p in prompts]
 
     def frames(reqs: list[dict], gen: int) -> int:
