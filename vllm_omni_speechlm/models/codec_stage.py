@@ -4,8 +4,8 @@ OpusLM, from the checkpoint's `codec.type`) as a vllm-omni generation model.
 Each scheduled request carries one window from stage_input_processors/speech_codec.py as its
 prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_context_size` /
 `meta.right_holdback_size` in its runtime information. One forward decodes all windows of the
-step in few batched codec calls, and returns per request only the new audio: `[(T_win - left - holdback) * hop]` float32 at 16 kHz
-(DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`), or at the
+step in a few batched codec calls and returns per request only the new audio:
+`[(T_win - left - holdback) * hop]` float32 at 16 kHz (DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`), or at the
 rate the request asked for (`resample.py`: each window resampled whole, then trimmed), reported as
 its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
 window lists its segments' lengths (`meta.segment_frames`), and each segment is decoded (and
@@ -110,7 +110,7 @@ class SpeechLMCodecDecoder(nn.Module):
         self.hop = self.codec.config.hop_length
         self.sample_rate = self.codec.config.sample_rate
         self.right_reach = self.codec.config.receptive_field_frames[1]
-        self._warm_shapes: tuple[int, int] | None = None
+        self._warm_shapes: tuple[int, int, int] | None = None  # (windows, frames, codes a step)
 
     def warm_up(self, max_batch: int, max_frames: int, max_ids: int) -> int:
         """Decode once every (batch bucket, frame bucket) a streamed window can meet: up to
