@@ -5,9 +5,9 @@ Each scheduled request carries one window from stage_input_processors/speech_cod
 prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_context_size` /
 `meta.right_holdback_size` in its runtime information. One forward decodes all windows of the
 step in a few batched codec calls and returns per request only the new audio:
-`[(T_win - left - holdback) * hop]` float32 at 16 kHz (DAC's last window is 8 samples short, as its whole-clip decoding is: `codec/dac.py`), or at the
-rate the request asked for (`resample.py`: each window resampled whole, then trimmed), reported as
-its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
+`[(T_win - left - holdback) * hop]` float32 at 16 kHz (DAC's last window is 8 samples short, as
+its whole-clip decoding is: `codec/dac.py`), or at the rate the request asked for (`resample.py`:
+each window resampled whole, then trimmed), reported as its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
 window lists its segments' lengths (`meta.segment_frames`), and each segment is decoded (and
 resampled) on its own.
 
