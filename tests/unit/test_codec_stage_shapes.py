@@ -53,3 +53,31 @@ def test_warm_up_decodes_every_bucket(stage):
         # (bucketed up to 32, 16, 8)
         q = stage.num_quantizers
         assert stage.warm_up(max_batch=20, max_frames=40, max_ids=20 * 16 * q) == 6 + 5 + 4
+
+
+def test_the_first_dummy_forward_warms_the_buckets_once(tmp_path):
+    """vLLM's profile run calls forward with no runtime information: the stage decodes its buckets
+    then (the deploy's window settings and step budget), once; a forward with windows does not."""
+    from types import SimpleNamespace
+
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    make_tiny("bagpiper", tmp_path, seed=0)
+    extra = {"codec_chunk_frames": 10, "codec_left_context_frames": 10, "codec_right_holdback_frames": 10}
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(tmp_path), async_chunk=True, stage_connector_config={"extra": extra}),
+        device_config=SimpleNamespace(device="cpu"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=4096),
+    )
+    stage = SpeechLMCodecDecoder(vllm_config=config)
+    warmed, warm_up = [], stage.warm_up
+    stage.warm_up = lambda *shapes: warmed.append((shapes, warm_up(*shapes))) or warmed[-1][1]
+    q = stage.num_quantizers
+    with torch.inference_mode():
+        stage.forward(input_ids=torch.zeros(3 * q, dtype=torch.long))  # the dummy run
+        stage.forward(input_ids=torch.zeros(3 * q, dtype=torch.long))
+        window = {"meta": {"left_context_size": 0, "right_holdback_size": 10}}
+        out = stage.forward(input_ids=torch.zeros(12 * q, dtype=torch.long), runtime_additional_information=[window])
+    # windows of up to 10 + 10 + 10 = 30 frames: buckets 16 and 32, batches 1, 2, 4
+    assert warmed == [((4, 30, 4096), 6)]
+    assert out.multimodal_outputs["model_outputs"][0].numel() == 2 * stage.hop
