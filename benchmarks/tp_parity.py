@@ -61,7 +61,10 @@ def cpu_ranks(tp: int):
         yield
     finally:
         for k, v in before.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def answers(model_dir: str, tp: int) -> dict[str, list[torch.Tensor]]:
