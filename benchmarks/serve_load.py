@@ -6,8 +6,8 @@ text LM of the same backbone decoding N completions at once.
 
 Speech: `vllm serve CKPT --omni --deploy-config bagpiper_streaming.yaml` as shipped (`--deploy` for
 another one; several: one server after the other, levels keyed "N @deploy"), with dummy weights as
-the only change (Bagpiper layout at Qwen3-8B geometry, a random
-X-Codec decoder of the released geometry). Every answer asks for exactly --gen-len audio frames
+the only change (Bagpiper layout at Qwen3-8B geometry, a random X-Codec decoder of the released
+geometry). Every answer asks for exactly --gen-len audio frames
 (its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale
 (several values: each is measured at every level on the same server, key "N cfg=X").
 At each concurrency level N clients post at once, each streaming one audio-only answer (raw PCM, or

@@ -4,8 +4,8 @@ same backbone on vLLM, dummy weights, fixed-length generation.
     python benchmarks/stage0_throughput.py --out results.json [--concurrency 64 512] [--gen-len 256 640] [--cfg]
 
 Bagpiper requests are audio-only (`<|audio|>` forced, then one 8-stream frame per step: one audio
-segment, eot masked as eos is) and ignore eos, so every request generates exactly --gen-len steps; the baseline generates
---gen-len text tokens per request. Several --gen-len values are measured on the same engines
+segment, eot masked as eos is) and ignore eos, so every request generates exactly --gen-len steps;
+the baseline generates --gen-len text tokens per request. Several --gen-len values are measured on the same engines
 (a step's GPU work grows with the context, its host work does not). Reported per generation
 length and concurrency: frames/s (Bagpiper) or tok/s (text LM), the median of --repeats timed
 runs (each run's rate is saved too), and the ratio frames/s / tok/s. With --cfg, per generation
