@@ -29,6 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # devtools
 from streaming_latency import device_name  # noqa: E402
 
 from devtools import audio_clips  # noqa: E402
+from devtools.cpu_ranks import cpu_ranks  # noqa: E402
 
 SYSTEM = "Be brief."
 GREEDY = dict(text_temperature=0.0, audio_temperature=0.0, max_tokens=48)
@@ -44,35 +45,13 @@ CASES = {  # name: (prompts, audio clips per prompt, options)
 ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
 
 
-@contextlib.contextmanager
-def cpu_ranks(tp: int):
-    """On CPU, each rank bound to its own share of this process's cores (vLLM's default binds a
-    rank per NUMA node and refuses fewer nodes than ranks)."""
-    if torch.cuda.is_available() or tp == 1:
-        yield
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // tp)
-    bind = "|".join(",".join(map(str, cpus[r * per : (r + 1) * per] or cpus[-1:])) for r in range(tp))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-
-
 def answers(model_dir: str, tp: int) -> dict[str, list[torch.Tensor]]:
     """{case: [L, S] stream tokens per prompt} from one engine of tensor_parallel_size `tp`."""
     from vllm_omni_speechlm.generator import SpeechLMGenerator
 
     out = {}
-    with cpu_ranks(tp), SpeechLMGenerator(model_dir, tensor_parallel_size=tp, **ENGINE) as gen:
+    ranks = cpu_ranks(tp) if tp > 1 and not torch.cuda.is_available() else contextlib.nullcontext()
+    with ranks, SpeechLMGenerator(model_dir, tensor_parallel_size=tp, **ENGINE) as gen:
         for name, (prompts, clips, kw) in CASES.items():
             results = gen.generate(prompts, system=SYSTEM, audio=clips, **GREEDY, **kw)
             out[name] = [torch.tensor(r["stream_token_ids"]) for r in results]

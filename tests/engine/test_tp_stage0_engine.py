@@ -13,6 +13,7 @@ import torch
 
 from conftest import assert_result_equals_reference, flatten, live_requests, reference_with_clips, worker_sum
 from devtools import audio_clips
+from devtools.cpu_ranks import cpu_ranks
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
 TP = 2
@@ -26,31 +27,12 @@ def _clip(seconds: float, pitch: float):
     return audio_clips.as_float(audio_clips.clip(seconds, pitch)), audio_clips.RATE
 
 
-def _thread_bind() -> str:
-    """VLLM_CPU_OMP_THREADS_BIND with this process's CPUs split between the ranks. vLLM's default
-    (auto) binds each rank to a NUMA node of its own and refuses to start with fewer nodes than
-    ranks (vllm/utils/ompmultiprocessing.py, `_get_autobind_cpu_ids`)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // TP)
-    return "|".join(",".join(map(str, cpus[r * per : (r + 1) * per] or cpus[-1:])) for r in range(TP))
-
-
 @pytest.fixture(scope="module")
 def generator(tiny_bagpiper):
     from vllm_omni_speechlm.generator import SpeechLMGenerator
 
-    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_CPU_OMP_THREADS_BIND": _thread_bind()}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with SpeechLMGenerator(tiny_bagpiper, **ENGINE) as gen:
-            yield gen
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+    with cpu_ranks(TP), SpeechLMGenerator(tiny_bagpiper, **ENGINE) as gen:
+        yield gen
 
 
 def _per_rank(generator, fn) -> list:
