@@ -158,7 +158,7 @@ class SpeechLMCodecDecoder(nn.Module):
             logger.info("codec stage: %d window shapes decoded once", self.warm_up(*shapes))
         infos += [{}] * (len(counts) - len(infos))
         windows = [w[: w.numel() - w.numel() % self.num_quantizers] for w in torch.split(ids, counts)]
-        started = time.time()
+        started = time.time() if window_trace.ENABLED else 0.0
         audio = self.decode_windows(windows, infos)
         if window_trace.ENABLED and not _capturing(ids):
             if ids.is_cuda:  # diagnosis only: waits for the decode
