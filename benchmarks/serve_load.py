@@ -29,8 +29,8 @@ Where the time goes (`server` per level, from the server's /metrics before and a
 per stage, the mean time between a request's outputs (stage 0: its step time as the engine
 reports it), the mean tokens per engine step (stage 0: the batch; stage 1: code ids decoded per
 call), engine steps, preemptions; the mean shared-memory send time from stage 0 to stage 1.
-`--set STAGE.KEY=VALUE` changes one stage setting of the deploy YAML (diagnosis only; the
-recorded settings say so).
+`--set STAGE.KEY=VALUE` changes one stage setting of the deploy YAML, `--set A.B.KEY=VALUE` one of
+its other sections (diagnosis only; the recorded settings say so).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ FIRST_CHUNKS = 12
 
 def dummy_weights_deploy(name: str, out: Path, overrides: list[str] = ()) -> str:
     """The shipped deploy YAML `name`, its stages loading dummy weights, with `STAGE.KEY=VALUE`
-    overrides."""
+    overrides (or `A.B.KEY=VALUE`: a key under the YAML's top-level section A, e.g.
+    `connectors.shm.extra.codec_playout_margin_steps=0`)."""
     from vllm_omni_speechlm import stage_configs
 
     deploy = yaml.safe_load(Path(stage_configs.path(name)).read_text())
@@ -72,8 +73,11 @@ def dummy_weights_deploy(name: str, out: Path, overrides: list[str] = ()) -> str
         stage["load_format"] = "dummy"
     for item in overrides:
         where, value = item.split("=", 1)
-        stage_id, key = where.split(".", 1)
-        deploy["stages"][int(stage_id)][key] = yaml.safe_load(value)
+        *path, key = where.split(".")
+        section = deploy["stages"][int(path[0])] if path[0].isdigit() else deploy[path[0]]
+        for part in path[1:]:
+            section = section[part]
+        section[key] = yaml.safe_load(value)
     out.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return str(out)
 

@@ -317,10 +317,10 @@ class TransferManager:
 
 
 def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None,
-                   rate: int | None = None):
+                   rate: int | None = None, step_s: float = 0.01):
     """Run the processor over [L, S] step rows the way the adapter does, each step offered to the
-    scheduler's `WindowGate` first when `gated`; `first` / `rate`: the request's first window and
-    output rate. Returns (payloads sent, processor calls)."""
+    scheduler's `WindowGate` first when `gated` (its clock advancing `step_s` per step); `first` /
+    `rate`: the request's first window and output rate. Returns (payloads sent, processor calls)."""
     from vllm_omni_speechlm.config import SpeechLMConfig
     from vllm_omni_speechlm.resample import RATE_KEY
     from vllm_omni_speechlm.stage0.window_gate import WindowGate
@@ -329,12 +329,16 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
 
     info = {k: v for k, v in ((INITIAL_CHUNK_KEY, first), (RATE_KEY, rate)) if v is not None} or None
     request = SimpleNamespace(external_req_id=req_id, additional_information=info, output_token_ids=[])
-    gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm)) if gated else None
+    now = [0.0]
+    gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm),
+                      clock=lambda: now[0]) if gated else None
     sent, calls = [], 0
     for i, row in enumerate(tokens):
+        now[0] += step_s
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
         request.output_token_ids.append(int(row[0]))  # vLLM's request holds the step's token by then
         if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
+            gate.tick()
             hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
             if not hand_over:
                 continue

@@ -6,16 +6,23 @@ Stage 1 keeps exactly the new frames' audio. With left >= the codec's left reach
 its lookahead, the kept samples equal whole-clip decoding (stage_input_processors/speech_codec.py).
 
 Settings (the deploy YAML's connector `extra`; checked at engine start-up by deploy_checks.py):
-    codec_chunk_frames            int >= 1
-    codec_left_context_frames     int, >= the codec's left reach (10 for X-Codec)
-    codec_right_holdback_frames   int, >= the codec's lookahead (10 for X-Codec), <= chunk
-    initial_codec_chunk_frames    int, 0 (a full chunk) or 1..chunk
+    codec_chunk_frames                int >= 1
+    codec_left_context_frames         int, >= the codec's left reach (10 for X-Codec)
+    codec_right_holdback_frames       int, >= the codec's lookahead (10 for X-Codec), <= chunk
+    initial_codec_chunk_frames        int, 0 (a full chunk) or 1..chunk
+    codec_min_right_holdback_frames   int, 0..holdback (unset: the holdback): the least lookahead a
+                                      segment's first window (and, paced, the ones while the
+                                      listener's buffer is short) is decoded with
+    codec_playout_margin_steps        int >= 0: 0, the fixed ramp (`next_window`); N, paced
+                                      windows (`PlayoutPacer`) that keep N stage-0 steps of audio
+                                      ahead of the listener
 Any other `codec_*` key is a typo and is rejected. A request may set its own first window
 (`INITIAL_CHUNK_KEY` in its prompt's additional information, at most MAX_INITIAL_CHUNK_FRAMES).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 WINDOW_DEFAULTS = {
@@ -23,7 +30,12 @@ WINDOW_DEFAULTS = {
     "codec_left_context_frames": 25,
     "codec_right_holdback_frames": 10,
     "initial_codec_chunk_frames": 0,  # 0: the first window is a full chunk
+    "codec_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (every window exact)
+    "codec_playout_margin_steps": 0,  # 0: the fixed ramp
 }
+MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
+# The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
+WINDOW_KEY = "window"
 # Per-request first window, in codec frames, in the prompt's additional_information.
 INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
 MAX_INITIAL_CHUNK_FRAMES = 100  # 2 s at 50 frames/s
@@ -39,6 +51,8 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
     out = {}
     for key, default in WINDOW_DEFAULTS.items():
         value = extra.get(key, default)
+        if value is None and key == MIN_HOLDBACK_KEY:
+            value = out["codec_right_holdback_frames"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"connector extra: {key} must be a non-negative int, got {value!r}")
         out[key] = value
@@ -47,6 +61,9 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
         raise ValueError(f"connector extra: codec_chunk_frames must be >= 1, got {chunk}")
     if holdback > chunk:
         raise ValueError(f"connector extra: codec_right_holdback_frames ({holdback}) must be <= codec_chunk_frames ({chunk})")
+    if out[MIN_HOLDBACK_KEY] > holdback:
+        raise ValueError(f"connector extra: {MIN_HOLDBACK_KEY} ({out[MIN_HOLDBACK_KEY]}) must be <= "
+                         f"codec_right_holdback_frames ({holdback})")
     if out["initial_codec_chunk_frames"] > chunk:
         raise ValueError(
             f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
@@ -87,26 +104,99 @@ def initial_chunk_frames(value: Any, field: str) -> int | None:
     return value
 
 
-def first_window(info: dict[str, Any], settings: dict[str, int]) -> int:
-    """A request's first window: its own (`INITIAL_CHUNK_KEY` of its additional information),
-    else the deployment's, else a full chunk."""
+def requested_first_window(info: dict[str, Any]) -> int | None:
+    """A request's own first window (`INITIAL_CHUNK_KEY` of its additional information), or None."""
     value = info.get(INITIAL_CHUNK_KEY)
     if isinstance(value, list) and len(value) == 1:  # scalars may arrive wrapped
         value = value[0]
-    own = initial_chunk_frames(value, f"additional_information.{INITIAL_CHUNK_KEY}")
-    return own or settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]
+    return initial_chunk_frames(value, f"additional_information.{INITIAL_CHUNK_KEY}")
 
 
-def next_window_end(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool) -> int | None:
-    """With `total` complete frames and `emitted` already sent: the end of the window to send
-    now (its new frames are [emitted, end)), or None (not enough new frames yet).
+def first_window(info: dict[str, Any], settings: dict[str, int]) -> int:
+    """A request's first window under the fixed ramp: its own, else the deployment's, else a full chunk."""
+    return requested_first_window(info) or settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]
 
-    After a small first window the windows ramp up: each brings as many new frames as all
-    earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
+
+def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool) -> tuple[int, int] | None:
+    """The fixed ramp. With `total` complete frames and `emitted` already sent: (end, holdback) of
+    the window to send now (its new frames are [emitted, end)), or None (not enough new frames yet).
+
+    A segment's first window holds back `codec_min_right_holdback_frames`, the others the full
+    lookahead. After a small first window the windows ramp up: each brings as many new frames as
+    all earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
     client's buffered audio then doubles per window, so a fast first window does not leave a gap
-    before the second one while generation runs faster than real time."""
-    end = total - (0 if is_finished else settings["codec_right_holdback_frames"])
+    before the second one while generation runs at least twice as fast as real time."""
+    if is_finished:
+        holdback = 0
+    else:
+        holdback = settings[MIN_HOLDBACK_KEY] if emitted == 0 else settings["codec_right_holdback_frames"]
+    end = total - holdback
     chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], max(first_chunk, emitted))
     if end - emitted <= 0 or (not is_finished and end - emitted < chunk):
         return None
-    return end
+    return end, holdback
+
+
+# A gap this long between stage-0 steps is idleness, not the pace.
+IDLE_STEP_S = 1.0
+PACE_SMOOTHING = 0.3
+
+
+class PlayoutPacer:
+    """Paced windows (`codec_playout_margin_steps` > 0): each window leaves stage 0 as late as
+    keeps the listener `margin` ahead, unless a full chunk is ready first.
+
+    A listener starts playing at the first window, plays in real time and pauses when it runs dry;
+    stage 0 knows what it sent and when, so it knows the listener's lead (the constant hand-off
+    delay cancels out). The margin is `codec_playout_margin_steps` stage-0
+    steps, measured (`tick`): what covers stage 1's decode and the hand-off grows with the load as
+    the step does. While waiting one more step keeps the margin, a window waits (fewer, larger
+    windows); otherwise it goes now, with enough new frames to restore twice the margin, decoded
+    with as much lookahead as the frames at hand allow (never less than the window before, never
+    more than the holdback). The first window is at least the frames that cover one step plus the
+    margin. Under light load this sends a few small windows and then full chunks; under heavy load
+    (pace near real time) smaller windows for longer. Slower than real time every listener stalls
+    whatever the windows, and small ones would only add decode work (each re-decodes its context):
+    the windows then ramp up as the fixed ramp's do."""
+
+    def __init__(self, settings: dict[str, int], frame_ms: float) -> None:
+        self.settings, self.frame_ms = settings, frame_ms
+        self.pace_ms = 0.0  # stage-0 step interval, smoothed (0: not measured yet)
+        self._last_tick: float | None = None
+
+    def tick(self, now: float) -> None:
+        """Once per stage-0 step (monotonic seconds)."""
+        if self._last_tick is not None and now - self._last_tick < IDLE_STEP_S:
+            step_ms = (now - self._last_tick) * 1e3
+            self.pace_ms = step_ms if not self.pace_ms else self.pace_ms + PACE_SMOOTHING * (step_ms - self.pace_ms)
+        self._last_tick = now
+
+    @property
+    def _pace(self) -> float:
+        return self.pace_ms or self.frame_ms  # unmeasured: assume real time
+
+    @property
+    def _margin_ms(self) -> float:
+        return self.settings["codec_playout_margin_steps"] * self._pace
+
+    def first_chunk(self, deployment: int) -> int:
+        """A segment's first window when the request did not set its own: at least `deployment`
+        frames and enough to cover one step plus the margin (not faster than real time, or not
+        measured yet: the fixed ramp's, `deployment`)."""
+        if self._pace >= self.frame_ms:
+            return deployment
+        covering = math.ceil((self._pace + self._margin_ms) / self.frame_ms)
+        return min(self.settings["codec_chunk_frames"], max(deployment, covering))
+
+    def window(self, total: int, emitted: int, holdback_before: int, lead_ms: float) -> tuple[int, int] | None:
+        """(end, holdback) of the window due now after the first one, or None."""
+        if self._pace >= self.frame_ms:
+            return next_window(total, emitted, emitted, self.settings, False)
+        full = self.settings["codec_right_holdback_frames"]
+        if total - full - emitted >= self.settings["codec_chunk_frames"]:
+            return total - full, full
+        if lead_ms - self._pace >= self._margin_ms:
+            return None
+        need = max(1, math.ceil((2 * self._margin_ms + self._pace - lead_ms) / self.frame_ms))
+        holdback = max(holdback_before, min(full, total - emitted - need))
+        return (total - holdback, holdback) if total - holdback > emitted else None

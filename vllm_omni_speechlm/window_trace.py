@@ -4,7 +4,8 @@ server's environment; off by default, and then nothing is added to a window or l
 Stage 0's processor stamps each window with the wall clock it was made at (`SENT_KEY`, an integer
 in microseconds, carried like the output rate); stage 1 logs one line per forward: how many
 windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
-and how long the decode took. `benchmarks/window_trace.py` summarizes the lines of a server log.
+and how long the decode took. Stage 0's window gate logs, per answer, how long after its arrival
+its first window left. `benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 ENABLED = os.environ.get("SPEECHLM_TRACE_WINDOWS") == "1"
 SENT_KEY = "window_sent_us"
 LINE = "window trace:"
+FIRST_LINE = "first window trace:"
 logger = logging.getLogger(__name__)
 
 
@@ -41,3 +43,10 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
     waits = sorted(started * 1e3 - s / 1e3 for s in sent)
     logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f",
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3)
+
+
+def log_first_window(arrival_time: float | None, steps: int) -> None:
+    """Stage 0, as an answer's first window leaves: since its arrival (time.time()) and its steps."""
+    if ENABLED and arrival_time:
+        now = time.time()
+        logger.info("%s t=%.3f since_arrival_ms=%.1f steps=%d", FIRST_LINE, now, (now - arrival_time) * 1e3, steps)

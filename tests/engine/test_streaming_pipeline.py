@@ -274,6 +274,30 @@ def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
         assert err > 100 * ATOL
 
 
+@pytest.mark.parametrize("min_holdback", [10, 2])
+def test_paced_windows_through_the_gate(tiny_bagpiper, long_clip, min_holdback):
+    """Paced windows (the gate's clock at 15 ms a step, 4 steps of margin): more, smaller windows
+    than the fixed ramp's while the lead builds, tiling the clip. Each window decoded with the full
+    lookahead (all of them when the minimum is the full one) equals whole-clip decoding; with less
+    at first, those windows differ near their end."""
+    extra = {"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": min_holdback, "codec_playout_margin_steps": 4}
+    payloads, calls = feed_processor(TransferManager(tiny_bagpiper, **extra), long_clip.tokens, gated=True, step_s=0.015)
+    fixed, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2), long_clip.tokens, gated=True)
+    assert calls == len(payloads) > len(fixed)
+    streamed = _decode(tiny_bagpiper, payloads)
+    assert streamed.shape == long_clip.audio.shape
+    new = [p.codes.audio.numel() // 8 - p.meta.left_context_size - p.meta.right_holdback_size for p in payloads]
+    hop = long_clip.audio.numel() // sum(new)
+    errors = {}  # window's lookahead -> max |streamed - whole clip| over its new samples
+    for p, start, n in zip(payloads, [0, *torch.tensor(new).cumsum(0).tolist()], new):
+        held = 10 if p is payloads[-1] else p.meta.right_holdback_size  # the flush ends the clip
+        err = float((streamed[start * hop : (start + n) * hop] - long_clip.audio[start * hop : (start + n) * hop]).abs().max())
+        errors[held] = max(errors.get(held, 0.0), err)
+    assert errors.pop(10) < ATOL
+    assert bool(errors) == (min_holdback < 10) and min(errors, default=10) == min_holdback
+    assert min_holdback == 10 or errors[min_holdback] > 100 * ATOL
+
+
 @pytest.mark.parametrize("rate", [8000, 22050, 48000])
 def test_windows_resampled_tile_the_whole_clip_resampled(tiny_bagpiper, long_clip, rate):
     """At a rate asked for, each window is resampled whole (its context and holdback reach across

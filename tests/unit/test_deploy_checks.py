@@ -26,9 +26,12 @@ XCODEC_REACH = (10, 10)
 
 
 def test_defaults_and_overrides():
-    assert window_settings(None, XCODEC_REACH) == WINDOW_DEFAULTS
+    exact = {"codec_min_right_holdback_frames": 10}  # unset: the holdback
+    assert window_settings(None, XCODEC_REACH) == WINDOW_DEFAULTS | exact
     got = window_settings({"codec_chunk_frames": 40, "initial_codec_chunk_frames": 5, "stage_id": 0}, XCODEC_REACH)
-    assert got == WINDOW_DEFAULTS | {"codec_chunk_frames": 40, "initial_codec_chunk_frames": 5}
+    assert got == WINDOW_DEFAULTS | exact | {"codec_chunk_frames": 40, "initial_codec_chunk_frames": 5}
+    paced = {"codec_min_right_holdback_frames": 2, "codec_playout_margin_steps": 4}
+    assert window_settings(paced, XCODEC_REACH) == WINDOW_DEFAULTS | paced  # less lookahead is a choice, not an error
     assert max_window_ids(WINDOW_DEFAULTS, 8) == (25 + 25 + 10) * 8
 
 
@@ -45,6 +48,9 @@ def test_defaults_and_overrides():
         ({"codec_left_context_frames": 9}, "codec_left_context_frames must be >= 10"),
         ({"initial_codec_chunk_frames": 26}, "initial_codec_chunk_frames (26) must be <= codec_chunk_frames (25)"),
         ({"codec_chunk_frame": 25}, "unknown key 'codec_chunk_frame'"),
+        ({"codec_min_right_holdback_frames": 11}, "codec_min_right_holdback_frames (11) must be <= codec_right_holdback_frames (10)"),
+        ({"codec_min_right_holdback_frames": -1}, "codec_min_right_holdback_frames must be a non-negative int"),
+        ({"codec_playout_margin_steps": 2.5}, "codec_playout_margin_steps must be a non-negative int"),
     ],
 )
 def test_bad_window_settings_name_the_key(extra, key):

@@ -6,28 +6,40 @@ from vllm_omni_speechlm.streaming import (
     INITIAL_CHUNK_KEY,
     MAX_INITIAL_CHUNK_FRAMES,
     WINDOW_DEFAULTS,
+    PlayoutPacer,
     first_window,
     initial_chunk_frames,
-    next_window_end,
+    next_window,
+    window_settings,
 )
+
+FRAME_MS = 20.0  # X-Codec at 50 frames/s
 
 
 def _windows(total: int, first: int, settings: dict) -> list[int]:
     """New frames per window while `total` frames complete one at a time, then the final flush."""
     sizes, emitted = [], 0
     for frames in range(1, total + 1):
-        end = next_window_end(frames, emitted, first, settings, is_finished=frames == total)
-        if end is not None:
-            sizes.append(end - emitted)
-            emitted = end
+        window = next_window(frames, emitted, first, settings, is_finished=frames == total)
+        if window is not None:
+            sizes.append(window[0] - emitted)
+            emitted = window[0]
     return sizes
 
 
 def test_windows_ramp_up_from_a_small_first_one_and_flush_at_the_end():
-    settings = WINDOW_DEFAULTS | {"initial_codec_chunk_frames": 4}
-    sizes = _windows(120, 4, settings)
+    sizes = _windows(120, 4, window_settings({"initial_codec_chunk_frames": 4}))
     assert sizes[:6] == [4, 4, 8, 16, 25, 25] and sum(sizes) == 120
-    assert _windows(70, 25, WINDOW_DEFAULTS) == [25, 25, 20]  # 10 frames held back until the flush
+    assert _windows(70, 25, window_settings(None)) == [25, 25, 20]  # 10 frames held back until the flush
+
+
+def test_the_first_window_holds_back_the_minimum_the_others_the_full_lookahead():
+    settings = window_settings({"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": 3})
+    assert next_window(4, 0, 2, settings, False) is None
+    assert next_window(5, 0, 2, settings, False) == (2, 3)
+    assert next_window(13, 2, 2, settings, False) is None
+    assert next_window(14, 2, 2, settings, False) == (4, 10)
+    assert window_settings(None)["codec_min_right_holdback_frames"] == 10  # unset: every window exact
 
 
 def test_the_first_window_is_the_requests_then_the_deployments_then_a_chunk():
@@ -44,3 +56,71 @@ def test_a_bad_first_window_names_the_field(value):
         initial_chunk_frames(value, "initial_codec_chunk_frames")
     with pytest.raises(ValueError, match=rf"^additional_information\.{INITIAL_CHUNK_KEY}: "):
         first_window({INITIAL_CHUNK_KEY: value}, WINDOW_DEFAULTS)
+
+
+def _paced(pace_ms: float, jitter_ms: float, frames: int = 300, margin_steps: int = 4, min_holdback: int = 2):
+    """Stage 0 making one frame per step of `pace_ms` (the delay pattern's first 7 steps make
+    none) and the pacer choosing the windows; each window after the first reaches the listener
+    `jitter_ms` later than the first did. Returns the windows (step, start, end, holdback) and the
+    listener's stall in ms (playback from the first window's arrival, in real time)."""
+    settings = window_settings({"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": min_holdback,
+                                "codec_playout_margin_steps": margin_steps})
+    pacer, windows, emitted, plays_until = PlayoutPacer(settings, FRAME_MS), [], 0, 0.0
+    for step in range(frames + 7):
+        now = step * pace_ms
+        pacer.tick(now / 1e3)
+        total = step - 7
+        if emitted == 0:
+            first = pacer.first_chunk(settings["initial_codec_chunk_frames"])
+            window = (total - min_holdback, min_holdback) if total - min_holdback >= first else None
+        else:
+            window = pacer.window(total, emitted, windows[-1][3], plays_until - now)
+        if window is not None:
+            windows.append((step, emitted, *window))
+            plays_until = max(plays_until, now) + (window[0] - emitted) * FRAME_MS
+            emitted = window[0]
+    stall, plays_until = 0.0, windows[0][0] * pace_ms
+    for i, (step, start, end, _) in enumerate(windows):
+        arrives = step * pace_ms + (jitter_ms if i else 0.0)
+        stall += max(0.0, arrives - plays_until)
+        plays_until = max(plays_until, arrives) + (end - start) * FRAME_MS
+    return windows, stall
+
+
+@pytest.mark.parametrize("pace_ms", [7.0, 10.0, 15.0, 18.0])
+def test_paced_windows_keep_a_listener_playing_through_a_margin_of_delay(pace_ms):
+    """Faster than real time, with every later window arriving a whole margin late, the listener
+    never runs dry; the windows tile the frames, the lookahead only grows, and once the lead is
+    built they are full chunks with the full lookahead."""
+    windows, stall = _paced(pace_ms, jitter_ms=4 * pace_ms, frames=1000)
+    assert stall == 0.0
+    assert [w[1] for w in windows[1:]] == [w[2] for w in windows[:-1]]  # contiguous, no frame twice
+    holdbacks = [w[3] for w in windows]
+    assert holdbacks == sorted(holdbacks) and holdbacks[0] == 2 and holdbacks[-1] == 10
+    assert [w[2] - w[1] for w in windows[-3:]] == [25, 25, 25]
+    print(f"pace {pace_ms} ms: first audio after {windows[0][0]} steps, {len(windows)} windows, "
+          f"{sum(h < 10 for h in holdbacks)} with less lookahead")
+
+
+def test_paced_windows_stall_when_the_delay_outgrows_the_margin():
+    """The margin is what protects the listener: twice as much delay as it covers, and the
+    listener runs dry (so the test above can fail)."""
+    assert _paced(15.0, jitter_ms=8 * 15.0)[1] > 0
+
+
+def test_slower_than_real_time_the_windows_ramp_up_as_the_fixed_ones():
+    """No window keeps a listener playing then; small ones would only add decode work."""
+    windows, stall = _paced(25.0, jitter_ms=0.0)
+    assert stall > 0
+    assert [w[2] - w[1] for w in windows[:7]] == [2, 2, 4, 8, 16, 25, 25]
+
+
+def test_the_pacer_measures_the_step_and_sizes_the_first_window_by_it():
+    settings = window_settings({"codec_playout_margin_steps": 4})
+    pacer = PlayoutPacer(settings, FRAME_MS)
+    assert pacer.first_chunk(2) == 2  # unmeasured: the fixed ramp's
+    for t in (0.0, 0.010, 0.020, 5.0, 5.010):  # the 4.98 s gap is idleness, not a step
+        pacer.tick(t)
+    assert pacer.pace_ms == pytest.approx(10.0)
+    assert pacer.first_chunk(2) == 3  # (10 + 40) / 20, rounded up
+    assert pacer.first_chunk(8) == 8  # never below the deployment's

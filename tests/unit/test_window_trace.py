@@ -33,6 +33,19 @@ def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
     assert (windows, frames) == (2, 120)  # the untraced window is not counted
     assert wait_min == pytest.approx(10, abs=0.2) and wait_max == pytest.approx(30, abs=0.2)
     assert 0 <= decode < 1000 and t >= now - 1e-3  # logged to the millisecond
-    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)])
+    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [])
     assert summary["forwards"] == 2 and summary["windows_per_forward"] == 1.5
     assert summary["interval_ms"]["p50"] == pytest.approx(50, abs=0.01)
+
+
+def test_a_first_window_line_gives_the_time_since_arrival(monkeypatch, caplog):
+    from window_trace import FIRST, summarize
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        window_trace.log_first_window(time.time() - 0.120, steps=12)
+        window_trace.log_first_window(None, steps=3)  # no arrival time: nothing to say
+    [line] = [r.getMessage() for r in caplog.records]
+    first = tuple(map(float, FIRST.search(line).groups()))
+    assert first[1] == pytest.approx(120, abs=5) and first[2] == 12
+    assert summarize([], [first])["first_window_steps"]["p50"] == 12

@@ -350,6 +350,8 @@ class _PairedCFGMixin:
         had_pairs = bool(self.partner) or self._updates_without_pairs < 2
         runner_outputs = getattr(model_runner_output, "multimodal_outputs", None)
         runner_outputs = runner_outputs if isinstance(runner_outputs, StepOutputs) else None  # None: per-request payloads
+        if self._gate is not None:
+            self._gate.tick()
         self._updating = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -3,10 +3,11 @@
 vllm-omni's chunk adapter copies the request and wakes its save thread on every `save_async`
 call, ~0.1 ms per request per step, though a window is due only every 25 frames. The scheduler
 (stage0/scheduler.py) puts a `WindowGate` in front of it: the gate keeps each request's step rows
-and hands them over as one [k, S] payload on the steps where the processor sends a window (the
-same rule, `streaming.next_window_end`), and at finish. The processor
-(stage_input_processors/speech_codec.py) receives the same rows in the same order, so the windows
-are unchanged.
+and hands them over as one [k, S] payload on the steps where a window is due, and at finish. The
+gate decides the window (`streaming.next_window`, the fixed ramp, or `streaming.PlayoutPacer`,
+which reads the clock) and hands its end and holdback over with the rows (`WINDOW_KEY`); the
+processor (stage_input_processors/speech_codec.py) receives the same rows in the same order and
+cuts that window.
 
 Under the parallel rules (Bagpiper) an audio segment may end before the answer does; the gate hands
 over the step that ends one, so the processor flushes it then, and counts the next segment's
@@ -17,7 +18,8 @@ the audio segment is the answer's last: it ends with the answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +27,26 @@ import torch
 from vllm_omni.data_entry_keys import unflatten_payload
 from vllm_omni.engine.serialization import deserialize_additional_information
 
+from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
 from vllm_omni_speechlm.frames import frame_rows
-from vllm_omni_speechlm.streaming import first_window, next_window_end
+from vllm_omni_speechlm.streaming import (
+    MIN_HOLDBACK_KEY,
+    WINDOW_KEY,
+    PlayoutPacer,
+    first_window,
+    next_window,
+    requested_first_window,
+)
 
 
 @dataclass
 class _GateState:
-    first_chunk: int
+    own_first_chunk: int | None  # the request's own first window
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
+    holdback: int = 0  # the last window's lookahead
+    plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (pacer)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
     pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
     unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
@@ -43,9 +55,11 @@ class _GateState:
 class WindowGate:
     """Per request, the step rows not handed to the adapter yet (module docstring)."""
 
-    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int]) -> None:
-        self.cfg, self.settings = cfg, settings
+    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.settings, self.clock = cfg, settings, clock
         self._open: dict[str, _GateState] = {}
+        paced = settings["codec_playout_margin_steps"] > 0
+        self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
         # Parallel rules: a row is audio iff its stream 0 is a codec code.
         s0 = cfg.streams[0]
         self._codes = range(s0.vocab_start, s0.vocab_end) if cfg.decoding.parallel_segments else None
@@ -53,12 +67,17 @@ class WindowGate:
     def __len__(self) -> int:
         return len(self._open)
 
+    def tick(self) -> None:
+        """Once per stage-0 step, before its offers: the pacer's clock."""
+        if self.pacer is not None:
+            self.pacer.tick(self.clock())
+
     def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
         """(hand over now, the payload to hand over) for this step of `request`."""
         ext_id = request.external_req_id
         state = self._open.get(ext_id)
         if state is None:
-            state = self._open[ext_id] = _GateState(self._first_window(request))
+            state = self._open[ext_id] = _GateState(self._own_first_window(request))
         if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
             multimodal_output = unflatten_payload(multimodal_output)
         rows = frame_rows(multimodal_output, self.cfg.num_streams)
@@ -73,17 +92,25 @@ class WindowGate:
             del self._open[ext_id]
         if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
-        if not self._due(state, state.audio + state.unclassified):  # even if every new row is audio
+        now = self.clock()
+        if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
             return False, None
         if state.unclassified:
             new = torch.cat(state.pending)[-state.unclassified :]
             state.audio += int(audio_rows(new, self.cfg).sum())
             state.unclassified = 0
-        end = self._due(state, state.audio)
-        if end is None:
+        window = self._due(state, state.audio, now)
+        if window is None:
             return False, None
-        state.emitted = end
-        return True, self._take(state)
+        if state.emitted == 0:
+            window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
+        self._sent(state, window, now)
+        return True, (self._take(state) or {}) | {WINDOW_KEY: window}
+
+    def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
+        if self.pacer is not None:  # the listener plays from the first window, pausing when dry
+            state.plays_until = max(state.plays_until, now) + (window[0] - state.emitted) * self.pacer.frame_ms / 1e3
+        state.emitted, state.holdback = window
 
     def _count_segment_rows(self, state: _GateState, stream0: list[int]) -> bool:
         """Count the new audio rows; whether one of the rows ends the current audio segment (the
@@ -97,16 +124,24 @@ class WindowGate:
                 ended = True
         return ended
 
-    def _first_window(self, request: Any) -> int:
+    def _own_first_window(self, request: Any) -> int | None:
         info = deserialize_additional_information(getattr(request, "additional_information", None))
         try:
-            return first_window(info, self.settings)
+            return requested_first_window(info)
         except ValueError:  # the processor reports the bad value; any size does here
             return 1
 
-    def _due(self, state: _GateState, num_audio_rows: int) -> int | None:
+    def _due(self, state: _GateState, num_audio_rows: int, now: float) -> tuple[int, int] | None:
+        """(end, holdback) of the window due with these rows, or None."""
         total = num_complete_frames(num_audio_rows, self.cfg.num_streams)
-        return next_window_end(total, state.emitted, state.first_chunk, self.settings, False)
+        if self.pacer is None:
+            first = state.own_first_chunk or first_window({}, self.settings)
+            return next_window(total, state.emitted, first, self.settings, False)
+        if state.emitted:
+            return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
+        first = state.own_first_chunk or self.pacer.first_chunk(first_window({}, self.settings))
+        end = total - self.settings[MIN_HOLDBACK_KEY]
+        return (end, self.settings[MIN_HOLDBACK_KEY]) if end >= first else None
 
     @staticmethod
     def _take(state: _GateState) -> dict | None:

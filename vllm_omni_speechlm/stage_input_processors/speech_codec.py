@@ -19,9 +19,11 @@ Stage 1 decodes the window and keeps frames [emitted, target): exactly the new o
 (codec/xcodec.py), so with >= 10 frames of left context and 10 of lookahead the kept samples equal
 whole-clip decoding up to float rounding. The cost is 10 frames (200 ms) of extra latency per
 window. At finish the rest is flushed with no holdback (the clip ends there, as in whole-clip
-decoding). The first window may be smaller (`initial_codec_chunk_frames`: connector `extra`, or
-per request in the prompt's `additional_information`) for faster first audio; the windows after
-it ramp up to the full size (`next_window_end`).
+decoding). Which window is due when is stage 0's window gate's call (stage0/window_gate.py): it
+hands its (end, holdback) over with the rows, and this cuts that window. Called without one (no
+gate), it applies the fixed ramp itself (`streaming.next_window`): a smaller first window
+(`initial_codec_chunk_frames`: connector `extra`, or per request in the prompt's
+`additional_information`) for faster first audio, then windows ramping up to the full size.
 
 An answer may hold several audio segments (audio, `<|eot|>`, another segment). ESPnet decodes each
 one on its own, so a segment is streamed as if it were the whole clip: its end (the first row that
@@ -47,7 +49,7 @@ from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_complete_frames, segment_codes
 from vllm_omni_speechlm.frames import frame_rows
 from vllm_omni_speechlm.resample import RATE_KEY, requested_rate
-from vllm_omni_speechlm.streaming import first_window, next_window_end, window_settings
+from vllm_omni_speechlm.streaming import WINDOW_KEY, first_window, next_window, window_settings
 from vllm_omni_speechlm.window_trace import stamp
 
 
@@ -115,7 +117,9 @@ def speechlm2codec_async_chunk(
     if state is None:
         state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
     ended = _buffer_segment_rows(rows, state, multimodal_output, cfg)
-    window = _next_window(rows, state, settings, cfg, is_finished or ended)
+    flush = is_finished or ended
+    decided = None if flush or not isinstance(multimodal_output, dict) else multimodal_output.get(WINDOW_KEY)
+    window = _next_window(rows, state, settings, cfg, flush, decided)
     if ended:  # the next segment's frames start over: no codec context crosses the edge
         rows.clear()
         state["emitted"] = state["base"] = 0
@@ -123,16 +127,19 @@ def speechlm2codec_async_chunk(
 
 
 def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
-                 flush: bool) -> Any:
-    """The window due now of the current segment (all of its unsent frames when `flush`), or None."""
+                 flush: bool, decided: tuple[int, int] | None) -> Any:
+    """The window due now of the current segment (all of its unsent frames when `flush`; the gate's
+    (end, holdback) when `decided`), or None."""
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
 
     emitted = state["emitted"]
     total = num_complete_frames(state["base"] + len(rows), cfg.num_streams)
-    target = next_window_end(total, emitted, state["first_chunk"], settings, flush)
-    if target is None:
+    window = decided or next_window(total, emitted, state["first_chunk"], settings, flush)
+    if window is None:
         return None  # on the final call the adapter sends the terminal marker itself
-    holdback = 0 if flush else settings["codec_right_holdback_frames"]
+    target, holdback = window
+    if not emitted < target <= total - holdback:
+        raise RuntimeError(f"speech_codec: window [{emitted}, {target}) + {holdback} is not within {total} frames")
     left = min(settings["codec_left_context_frames"], emitted)
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
     # The window's rows are all audio rows of one segment, >= S of them: [left + new + holdback, Q].
