@@ -101,6 +101,31 @@ def test_guided_steps_replay_the_graphs(generator, reference):
         _set_graphs(generator, None)
 
 
+def _recorded_keys(model) -> int:
+    return len(model.steps.graphs._graphs)
+
+
+def _warm_up_graphs(model) -> int:
+    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+    values = SpeechSamplingParams().resolve(model.speech).row_values()
+    return model.steps.graphs.warm_up(max(values.text_top_k, values.audio_top_k))
+
+
+@pytest.mark.skipif(CUDA, reason="the float32 reference equals the engine bitwise on CPU only")
+def test_warm_up_records_what_a_first_request_replays(generator, reference):
+    """vLLM's warm-up records the graphs of one request with the checkpoint's sampling (one row
+    or a CFG pair, text rows or none): that request, guided or not, records nothing more."""
+    _set_graphs(generator, "eager")
+    try:
+        assert worker_sum(generator.omni, _warm_up_graphs) == 8  # sizes 2 and 5 (1 row runs at 2): 4 keys each
+        for cfg_scale in (1.0, 3.0):
+            generator.generate(PROMPTS[1], max_tokens=30, modality="text+audio", max_text_tokens=3, cfg_scale=cfg_scale)
+        assert worker_sum(generator.omni, _recorded_keys) == 8 and _counts(generator)[0] > 20
+    finally:
+        _set_graphs(generator, None)
+
+
 def _failing_recorder(fn, pool):
     raise RuntimeError("no graphs here")
 

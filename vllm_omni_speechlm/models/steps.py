@@ -453,6 +453,11 @@ class SpeechLMSteps:
                 raise
             logger.exception("speech LM step functions failed to compile; running them eagerly")
             self.compile_step_functions(None)
+            return
+        if self.graphs is not None:
+            values = SpeechSamplingParams().resolve(self.speech).row_values()
+            recorded = self.graphs.warm_up(max(values.text_top_k, values.audio_top_k))
+            logger.info("speech LM step graphs of a first request recorded (%d keys)", recorded)
 
     @torch.inference_mode()  # as vLLM runs steps: grad mode is part of a graph's guards
     def compile_step_functions_now(self, hidden: torch.Tensor, raw: torch.Tensor) -> None:
