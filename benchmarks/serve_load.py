@@ -235,19 +235,52 @@ def server_summary(before: dict, after: dict) -> dict:
 # ---- levels -------------------------------------------------------------------------------
 
 
+HEALTH_EVERY_S = 5.0  # while a level runs, how often /health is asked
+
+
+class ServerDown(RuntimeError):
+    """/health failed while a level's requests were open (a dead engine leaves them hanging)."""
+
+
+async def _until_unhealthy(client: httpx.AsyncClient) -> str:
+    while True:
+        await asyncio.sleep(HEALTH_EVERY_S)
+        try:
+            r = await client.get("/health", timeout=30)
+        except httpx.HTTPError as e:
+            return f"/health: {type(e).__name__}: {e}"[:300]
+        if r.status_code != 200:
+            return f"/health: HTTP {r.status_code}"
+
+
 async def run_level(url: str, n: int, request, summary) -> dict:
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    """N requests at once -> `summary(results, wall s)`; ServerDown if /health fails meanwhile."""
+    limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(request(client, i) for i in range(n)))
-        return summary(results, time.perf_counter() - start)
+        answers = asyncio.ensure_future(asyncio.gather(*(request(client, i) for i in range(n))))
+        watch = asyncio.ensure_future(_until_unhealthy(client))
+        await asyncio.wait({answers, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not answers.done():
+            answers.cancel()
+            await asyncio.gather(answers, return_exceptions=True)
+            raise ServerDown(watch.result())
+        watch.cancel()
+        return summary(answers.result(), time.perf_counter() - start)
 
 
 def measure(url: str, levels: list[str], request, summary, report: dict, save) -> None:
-    """Each level `N` or `N cfg=X`: N requests at once, and what the server saw meanwhile."""
+    """Each level `N` or `N cfg=X`: N requests at once, and what the server saw meanwhile. A level
+    whose server goes down is recorded as such, and the levels after it are not run."""
     for level in levels:
         before = scrape(url)
-        stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
+        try:
+            stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
+        except ServerDown as e:
+            report[level] = {"server_down": str(e)}
+            save()
+            print(level, "server down:", e, flush=True)
+            return
         report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
         print(level, json.dumps({k: v for k, v in report[level].items() if k not in ("error_samples", "first_chunks")}), flush=True)

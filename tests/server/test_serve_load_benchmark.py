@@ -30,6 +30,38 @@ def test_a_listener_stalls_when_its_audio_plays_out_before_the_next_chunk(chunks
     assert stall_s(chunks, buffer_s) == pytest.approx(stalled)
 
 
+def test_a_level_stops_when_the_server_goes_down(monkeypatch):
+    """A dead engine leaves streamed requests open: the level ends on the first failed /health
+    instead of waiting out the client timeout."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_load
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # /health fails; anything else never answers
+            if self.path != "/health":
+                threading.Event().wait(3)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(serve_load, "HEALTH_EVERY_S", 0.1)
+    try:
+        with pytest.raises(serve_load.ServerDown, match="HTTP 500"):
+            asyncio.run(asyncio.wait_for(serve_load.run_level(f"http://127.0.0.1:{server.server_port}", 2,
+                                                              lambda client, i: client.get("/answer"), None), 10))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path):
     out = tmp_path / "serve_load.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--tiny", "--out", str(out),
