@@ -81,3 +81,18 @@ def test_the_first_dummy_forward_warms_the_buckets_once(tmp_path):
     # windows of up to 10 + 10 + 10 = 30 frames: buckets 16 and 32, batches 1, 2, 4
     assert warmed == [((4, 30, 4096), 6)]
     assert out.multimodal_outputs["model_outputs"][0].numel() == 2 * stage.hop
+
+
+def test_a_step_padded_past_its_windows_decodes_the_windows(stage):
+    """vLLM pads a step's input ids to a CUDA-graph capture size (a 37-frame window, 296 ids, ran
+    as 304); the padding is no window's."""
+    g = torch.Generator().manual_seed(1)
+    q, size = stage.num_quantizers, stage.codec.config.codebook_size
+    windows = [torch.randint(0, size, (frames, q), generator=g) for frames in (37, 5)]
+    infos = [{"meta": {"left_context_size": 10, "right_holdback_size": 10}}, {"meta": {"left_context_size": 2, "right_holdback_size": 0}}]
+    ids = torch.cat([w.reshape(-1) for w in windows] + [torch.zeros(q, dtype=torch.long)])
+    with torch.inference_mode():
+        out = stage.forward(input_ids=ids, runtime_additional_information=infos, seq_token_counts=[37 * q, 5 * q])
+        want = stage.decode_windows([w.reshape(-1) for w in windows], infos)
+    for got, expected in zip(out.multimodal_outputs["model_outputs"], want):
+        torch.testing.assert_close(got, expected)

@@ -152,6 +152,7 @@ class SpeechLMCodecDecoder(nn.Module):
 
         ids = input_ids.reshape(-1) if input_ids is not None else torch.zeros(0, dtype=torch.long)
         counts = list(kwargs.get("seq_token_counts") or [int(ids.numel())])
+        ids = ids[: sum(counts)]  # vLLM pads a step's tokens to a CUDA-graph size past the windows
         infos = list(runtime_additional_information or [])
         if not infos and self._warm_shapes is not None and not _capturing(ids):  # vLLM's dummy forward
             shapes, self._warm_shapes = self._warm_shapes, None
