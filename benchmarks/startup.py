@@ -155,7 +155,10 @@ def start_once(engine: tuple, log: Path, env: dict, args) -> dict:
         result = {"ready_s": round(time.time() - launched, 1)}
         result |= parse_log(log.read_text(errors="replace"), launched)
         model = _model_name(server.url)
-        result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests)
+        try:
+            result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests)
+        except Exception as e:  # noqa: BLE001 - the start was measured; say what the requests met
+            result["requests"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     finally:
         server.stop()
     return result
