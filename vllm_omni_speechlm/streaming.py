@@ -148,9 +148,9 @@ class PlayoutPacer:
 
     A listener starts playing at the first window, plays in real time and pauses when it runs dry;
     stage 0 knows what it sent and when, so it knows the listener's lead (the constant hand-off
-    delay cancels out). The margin is `codec_playout_margin_steps` stage-0
-    steps, measured (`tick`): what covers stage 1's decode and the hand-off grows with the load as
-    the step does. While waiting one more step keeps the margin, a window waits (fewer, larger
+    delay cancels out). The margin is `codec_playout_margin_steps` stage-0 steps, measured
+    (`tick`): what covers stage 1's decode and the hand-off grows with the load as the step does.
+    While waiting one more step keeps the margin, a window waits (fewer, larger
     windows); otherwise it goes now, with enough new frames to restore twice the margin, decoded
     with as much lookahead as the frames at hand allow (never less than the window before, never
     more than the holdback). The first window is at least the frames that cover one step plus the

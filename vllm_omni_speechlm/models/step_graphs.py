@@ -17,8 +17,8 @@ Batches are padded to the next of vLLM's capture sizes; padding rows read and wr
 request table's scratch slot. A graph is recorded the first time its key (size, top-k width,
 text rows or not, CFG pairs or not) is met, into one memory pool for all of them with outputs held
 weakly (vLLM's own scheme): replays share one size's worth of memory, as the steps never overlap.
-vLLM's warm-up records the keys of a first request (`warm_up`), which would otherwise pay the
-recording: a cold server's first answer took 3.7x the steady time to its first audio.
+vLLM's warm-up records the keys of a first request (`warm_up`), which would otherwise wait for the
+recording before its first audio.
 """
 
 from __future__ import annotations
