@@ -5,9 +5,9 @@ the streaming path; the user's numbers come from serve_load.py).
     python benchmarks/codec_decode.py --tiny --out /tmp/cd.json   # CPU smoke run
 
 `SpeechLMCodecDecoder.decode_windows` (what the stage's forward calls) on B windows at once, timed
-with the device synchronized, median of --repeats after 3 warm-up calls; also the first call's time
-(`first_call_ms`: the process meets the shape for the first time, as a server does under load). The windows are what a
-streamed answer sends with the shipped settings (first window 2 frames, ramp, chunk 25, left
+with the device synchronized, median of --repeats after 3 warm-up calls; also the first call's
+time (`first_call_ms`: the process meets the shape for the first time, as a server does under
+load). The windows are what a streamed answer sends with the shipped settings (first window 2 frames, ramp, chunk 25, left
 context 25, holdback 10): "T=12" (a first window) ... "T=60" (a full window), all B of one length,
 and "ramp": B windows spread over the six lengths, as one step with answers at different points
 gives. The stage decodes them at its shape buckets (`models/codec_stage.py`: 16-frame multiples,

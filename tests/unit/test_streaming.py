@@ -72,7 +72,7 @@ def _paced(pace_ms: float, jitter_ms: float, frames: int = 300, margin_steps: in
         total = step - 7
         if emitted == 0:
             first = pacer.first_chunk(settings["initial_codec_chunk_frames"])
-            window = (total - min_holdback, min_holdback) if total - min_holdback >= first else None
+            window = next_window(total, 0, first, settings, False)
         else:
             window = pacer.window(total, emitted, windows[-1][3], plays_until - now)
         if window is not None:

@@ -7,9 +7,9 @@ prompt: flattened codebook indices `[T_win * Q]` (frame-major) plus `meta.left_c
 step in a few batched codec calls and returns per request only the new audio:
 `[(T_win - left - holdback) * hop]` float32 at 16 kHz (DAC's last window is 8 samples short, as
 its whole-clip decoding is: `codec/dac.py`), or at the rate the request asked for (`resample.py`:
-each window resampled whole, then trimmed), reported as its `sr`. A streamed window lies inside one audio segment; the whole-answer hand-off's single
-window lists its segments' lengths (`meta.segment_frames`), and each segment is decoded (and
-resampled) on its own.
+each window resampled whole, then trimmed), reported as its `sr`. A streamed window lies inside
+one audio segment; the whole-answer hand-off's single window lists its segments' lengths
+(`meta.segment_frames`), and each segment is decoded (and resampled) on its own.
 
 Shapes: a window that keeps a lookahead (holdback >= the codec's right reach) is padded on the
 right to a multiple of FRAME_BUCKET frames (frames past the lookahead cannot reach the kept ones),

@@ -31,14 +31,7 @@ from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
 from vllm_omni_speechlm.frames import frame_rows
-from vllm_omni_speechlm.streaming import (
-    MIN_HOLDBACK_KEY,
-    WINDOW_KEY,
-    PlayoutPacer,
-    first_window,
-    next_window,
-    requested_first_window,
-)
+from vllm_omni_speechlm.streaming import WINDOW_KEY, PlayoutPacer, first_window, next_window, requested_first_window
 
 
 @dataclass
@@ -92,7 +85,7 @@ class WindowGate:
             del self._open[ext_id]
         if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
-        now = self.clock()
+        now = self.clock() if self.pacer is not None else 0.0  # the fixed ramp reads no clock
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
             return False, None
         if state.unclassified:
@@ -134,14 +127,12 @@ class WindowGate:
     def _due(self, state: _GateState, num_audio_rows: int, now: float) -> tuple[int, int] | None:
         """(end, holdback) of the window due with these rows, or None."""
         total = num_complete_frames(num_audio_rows, self.cfg.num_streams)
-        if self.pacer is None:
-            first = state.own_first_chunk or first_window({}, self.settings)
-            return next_window(total, state.emitted, first, self.settings, False)
-        if state.emitted:
+        if self.pacer is not None and state.emitted:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
-        first = state.own_first_chunk or self.pacer.first_chunk(first_window({}, self.settings))
-        end = total - self.settings[MIN_HOLDBACK_KEY]
-        return (end, self.settings[MIN_HOLDBACK_KEY]) if end >= first else None
+        first = state.own_first_chunk or first_window({}, self.settings)
+        if self.pacer is not None and not state.own_first_chunk:
+            first = self.pacer.first_chunk(first)
+        return next_window(total, state.emitted, first, self.settings, False)
 
     @staticmethod
     def _take(state: _GateState) -> dict | None:
