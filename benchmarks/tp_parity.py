@@ -4,12 +4,14 @@ requests), each also against the plain-PyTorch reference.
 
     python benchmarks/tp_parity.py --out results.json              # a host with two GPUs
     python benchmarks/tp_parity.py --tp 1 2 --out /tmp/tp.json     # CPU: vLLM's CPU communicator
+    python benchmarks/tp_parity.py --graphed --out results.json    # GPU: vLLM's and the step graphs
 
 Cases: a text prompt answered in speech, text then speech, audio in, a CFG pair (cfg 3), and a
-batch of four prompts decoded at once (two of them guided). The engines run eagerly
-(`enforce_eager`): the comparison is of the sharded heads and state, not of graph capture.
-Prints and saves per case: equal across TP sizes, equal to the reference, the first row that
-differs (None: none).
+batch of four prompts decoded at once (all of them guided). By default the engines run eagerly
+(`enforce_eager`): the comparison is of the sharded heads and state. `--graphed` runs them as
+served on a GPU: vLLM's CUDA graphs, the compiled step functions and the step graphs, and records
+each rank's step counters (steps, steps replayed from step graphs). Prints and saves per case:
+equal across TP sizes, equal to the reference, the first row that differs (None: none).
 """
 
 from __future__ import annotations
@@ -42,20 +44,26 @@ CASES = {  # name: (prompts, audio clips per prompt, options)
     "cfg3": (["Read this out loud please."], None, dict(modality="audio", cfg_scale=3.0)),
     "batch_cfg3": (BATCH, None, dict(modality="audio", cfg_scale=3.0)),
 }
-ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3)
 
 
-def answers(model_dir: str, tp: int) -> dict[str, list[torch.Tensor]]:
-    """{case: [L, S] stream tokens per prompt} from one engine of tensor_parallel_size `tp`."""
+def answers(model_dir: str, tp: int, graphed: bool = False) -> tuple[dict[str, list[torch.Tensor]], list[dict]]:
+    """{case: [L, S] stream tokens per prompt} from one engine of tensor_parallel_size `tp`, and
+    each rank's step counters after the cases."""
     from vllm_omni_speechlm.generator import SpeechLMGenerator
+    from vllm_omni_speechlm.models.steps import step_counters
 
     out = {}
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of `step_counters`
     ranks = cpu_ranks(tp) if tp > 1 and not torch.cuda.is_available() else contextlib.nullcontext()
-    with ranks, SpeechLMGenerator(model_dir, tensor_parallel_size=tp, **ENGINE) as gen:
+    with ranks, SpeechLMGenerator(model_dir, tensor_parallel_size=tp, **ENGINE, enforce_eager=not graphed) as gen:
         for name, (prompts, clips, kw) in CASES.items():
             results = gen.generate(prompts, system=SYSTEM, audio=clips, **GREEDY, **kw)
             out[name] = [torch.tensor(r["stream_token_ids"]) for r in results]
-    return out
+        counters = gen.omni.engine.collective_rpc("apply_model", args=(step_counters,), stage_ids=[0])
+    while counters and isinstance(counters[0], list):  # [stage][rank]
+        counters = counters[0]
+    return out, counters
 
 
 def references(model_dir: str) -> dict[str, list[torch.Tensor]]:
@@ -91,13 +99,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor_parallel_size per engine")
     ap.add_argument("--workdir", help="the tiny checkpoint (default: a temporary folder)")
+    ap.add_argument("--graphed", action="store_true", help="vLLM's CUDA graphs and the step graphs (default: eager)")
     args = ap.parse_args()
     from vllm_omni_speechlm.make_tiny import make_tiny
 
     model_dir = str(Path(args.workdir or tempfile.mkdtemp(prefix="tp-parity-")) / "tiny-bagpiper")
     make_tiny("bagpiper", model_dir, seed=0)
     ref = references(model_dir)
-    runs = {tp: answers(model_dir, tp) for tp in args.tp}
+    runs, steps = {}, {}
+    for tp in args.tp:
+        runs[tp], steps[tp] = answers(model_dir, tp, args.graphed)
     base = runs[args.tp[0]]
     cases = {
         name: {
@@ -111,7 +122,7 @@ def main() -> None:
                 for rows in by_tp.values() for row in rows)
     report = {"benchmark": "tp_parity", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
               "gpus": torch.cuda.device_count(), "settings": vars(args) | {"engine": ENGINE, "greedy": GREEDY},
-              "all_equal": equal, "cases": cases}
+              "all_equal": equal, "cases": cases, "steps_per_rank": steps}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
 

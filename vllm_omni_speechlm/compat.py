@@ -193,6 +193,7 @@ HOOKS = (
     Hook(_VOCAB_EMB, "padding_size", "attribute"),
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "use_custom_op_call", "attribute"),
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "_all_reduce_out_place", "override", "self, input_"),
+    Hook("vllm.distributed.parallel_state", "graph_capture", "call", "device, graph_capture_context=None"),  # step graphs
 )
 
 
@@ -458,6 +459,15 @@ def custom_op_collectives(on: bool) -> bool:
     else:
         vars(group).pop("_all_reduce_out_place", None)
     return before
+
+
+def graph_capture(device: Any) -> contextlib.AbstractContextManager:
+    """vLLM's context for recording CUDA graphs that hold TP collectives: custom all-reduce takes
+    its graph path and, on exit, registers the graphs' buffers with the other ranks (a collective:
+    every rank records the same graphs, in the same order)."""
+    from vllm.distributed.parallel_state import graph_capture as capture
+
+    return capture(device)
 
 
 # ---- concurrent stage start ---------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 from vllm_omni_speechlm.codec.dac import DacDecoderConfig
 from vllm_omni_speechlm.codec.xcodec import XCodecDecoderConfig
 from vllm_omni_speechlm.compat import max_pending_of, parallel_stage_init_of, position_limit
-from vllm_omni_speechlm.config import STEP_GRAPHS_KEY, SpeechLMConfig
+from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
 
@@ -94,20 +94,6 @@ def check_parallelism(parallel_config: Any, model_type: str | None = None) -> No
         )
 
 
-def check_step_graphs(vllm_config: Any) -> None:
-    """Step graphs (`speech_lm_step_graphs`) are off under tensor parallelism (steps.py,
-    `step_graph_sizes`); asking for them there is refused rather than ignored."""
-
-    extra = vllm_config.additional_config if isinstance(getattr(vllm_config, "additional_config", None), dict) else {}
-    tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
-    if tp != 1 and extra.get(STEP_GRAPHS_KEY) is True:
-        raise ValueError(
-            f"speech LM stage: additional_config {STEP_GRAPHS_KEY}: true is not supported with tensor_parallel_size "
-            f"{tp} (a step graph would hold collectives); leave it unset or false (the compiled step functions still "
-            "run), or set tensor_parallel_size: 1"
-        )
-
-
 def check_positions(model_config: Any) -> None:
     """max_model_len within the checkpoint's positions. vLLM refuses more unless
     VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, and vllm-omni sets it for every stage whose YAML names a
@@ -127,7 +113,6 @@ def check_speech_lm_stage(vllm_config: Any) -> None:
     settings when it produces streamed windows."""
     model_config = vllm_config.model_config
     check_parallelism(vllm_config.parallel_config, getattr(model_config.hf_config, "model_type", None))
-    check_step_graphs(vllm_config)
     check_positions(model_config)
     if getattr(model_config, "async_chunk", False):
         extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}

@@ -195,8 +195,8 @@ def _vllm_config(device: str, cudagraph_mode, extra: dict | None = None, tp: int
 
 def test_step_graphs_follow_vllms_graphs_and_the_switch():
     """On where vLLM graphs the backbone, at its capture sizes; off on CPU, with vLLM's graphs off
-    (enforce_eager), with `--additional-config '{"speech_lm_step_graphs": false}'` and under tensor
-    parallelism (asking for them there is refused at start-up: test_deploy_checks.py)."""
+    (enforce_eager) and with `--additional-config '{"speech_lm_step_graphs": false}'`; on under tensor
+    parallelism too."""
     from vllm.config import CUDAGraphMode
 
     from vllm_omni_speechlm.config import STEP_GRAPHS_KEY
@@ -207,4 +207,4 @@ def test_step_graphs_follow_vllms_graphs_and_the_switch():
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: False})) == []
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.NONE)) == []
     assert step_graph_sizes(_vllm_config("cpu", CUDAGraphMode.FULL_AND_PIECEWISE)) == []
-    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, tp=2)) == []
+    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, tp=2)) == [1, 2, 4, 8]

@@ -1,7 +1,8 @@
 """Stage 0 under tensor parallelism: a real engine with tensor_parallel_size 2 on vLLM's CPU backend
 (two worker processes, vLLM's CPU communicator), float32 tiny Bagpiper. Every stream of every row
 equals the plain-PyTorch reference (what one rank gives: test_stage0_engine.py), greedy with audio
-input, seeded sampling, a CFG pair, a mixed batch, also with the step functions compiled as on a GPU;
+input, seeded sampling, a CFG pair, a mixed batch, also with the step functions compiled as on a GPU
+and through the step graphs' padded path;
 each rank holds its shard of the vocabulary-parallel tables and the project's own parameters whole;
 every rank's per-request state is empty after the requests finish."""
 
@@ -11,7 +12,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_result_equals_reference, flatten, live_requests, reference_with_clips, worker_sum
+from conftest import assert_result_equals_reference, flatten, live_requests, reference_with_clips, step_graphs_eagerly, worker_sum
 from devtools import audio_clips
 from devtools.cpu_ranks import cpu_ranks
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
@@ -149,6 +150,23 @@ def test_compiled_step_functions_match_reference(generator, reference):
         _assert_batch_equals_reference(generator, reference)
     finally:
         _per_rank(generator, functools.partial(_compile_step_functions, False))
+
+
+def _graph_replays(model) -> int:
+    return model.steps.graphs.num_replays
+
+
+def test_step_graphs_match_reference(generator, reference):
+    """The steps as step graphs replay them on every rank (padded static buffers, the collectives
+    inside; run eagerly on CPU): a batch with a CFG pair still equals the reference, and every rank
+    replayed the same steps."""
+    _per_rank(generator, functools.partial(step_graphs_eagerly, True))
+    try:
+        _assert_batch_equals_reference(generator, reference)
+        replays = _per_rank(generator, _graph_replays)
+        assert len(replays) == TP and replays[0] == replays[1] > 20
+    finally:
+        _per_rank(generator, functools.partial(step_graphs_eagerly, False))
 
 
 def test_every_ranks_state_is_freed_after_finish(generator):

@@ -252,3 +252,19 @@ def test_text_rows_are_three_notes_away(family):
             soon.append(bool(rules.text_soon_by_phase[phase]))
     if cfg.decoding.parallel_segments:
         assert text_rows > 50  # audio answers did turn to text
+
+
+@pytest.mark.parametrize("wait, reads", [(False, [True, False, True, True, False]), (True, [True, True, True, False, True])])
+def test_text_rows_note_read_back(wait, reads):
+    """A step reads the newest note (one rank), or under tensor parallelism (`wait`) the note of
+    exactly three advances back, which every rank has alike; before any (or the third) note: text
+    rows possible."""
+    from vllm_omni_speechlm.models.text_rows import TextRowsWatch
+
+    watch = TextRowsWatch(torch.device("cpu"), wait=wait)
+    got = [watch.text_rows_possible()]
+    for flag in (False, True, True, False):
+        watch.flag.fill_(flag)
+        watch.publish()
+        got.append(watch.text_rows_possible())
+    assert got == reads

@@ -19,11 +19,18 @@ text rows or not, CFG pairs or not) is met, into one memory pool for all of them
 weakly (vLLM's own scheme): replays share one size's worth of memory, as the steps never overlap.
 vLLM's warm-up records the keys of a first request (`warm_up`), which would otherwise wait for the
 recording before its first audio.
+
+Under tensor parallelism the logits graph holds collectives (the stream-0 and aux heads' gathers,
+the staging's all-reduce). Graphs are recorded inside vLLM's `graph_capture`, as its own are, and
+every rank meets the same keys at the same step (their inputs are host facts every rank shares), so
+the ranks record together. A failed recording there stops the engine: one rank falling back to
+unrecorded steps would leave the others waiting in a collective.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +40,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import weak_ref_tensors
 
+from vllm_omni_speechlm.compat import graph_capture
 from vllm_omni_speechlm.models.request_state import to_device
 
 logger = init_logger(__name__)
@@ -76,8 +84,8 @@ class StepGraphs:
     """Static inputs and the recorded graphs of one model (see the module docstring). The model's
     `SpeechLMSteps` supplies the bodies: `logits_step`, `advance_step`, `stage_next_aux`."""
 
-    def __init__(self, steps: Any, sizes: Sequence[int], record: Recorder = cuda_graph):
-        self.steps, self.record = steps, record
+    def __init__(self, steps: Any, sizes: Sequence[int], record: Recorder = cuda_graph, tensor_parallel: bool = False):
+        self.steps, self.record, self.tensor_parallel = steps, record, tensor_parallel
         self.sizes = sorted(set(sizes))
         weight = steps.model.lm_head.weight
         m, device = self.sizes[-1], weight.device
@@ -185,9 +193,13 @@ class StepGraphs:
         def advance() -> torch.Tensor:  # a companion advances with its main's sampled ids
             return steps.advance_step(sampled[guidance[0][1]] if guided else sampled, index, slice(None), frames)
 
+        capture = graph_capture(index.device) if index.device.type == "cuda" else contextlib.nullcontext()
         try:
-            graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))
+            with capture:
+                graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))
         except Exception:
+            if self.tensor_parallel:
+                raise
             logger.exception("speech LM step graphs: recording failed; steps run without them")
             self.record = None
             return None

@@ -16,9 +16,9 @@ which hand each step to `SpeechLMSteps`, in this order:
 
 On CUDA the device math runs as four `torch.compile`d functions (the `*_eager` methods;
 `compile_step_functions`), compiled in vLLM's warm-up: eagerly it is ~100 small kernel launches
-per step, the host's critical path at tens of requests. A step whose rows all sample and hold no
-CFG pair replays CUDA graphs of `logits_step` and `advance_step` instead (step_graphs.py); the
-one after it, if it decodes the same rows, finds its aux input staged by them.
+per step, the host's critical path at tens of requests. A step whose rows all sample (CFG pairs
+too) replays CUDA graphs of `logits_step` and `advance_step` instead (step_graphs.py); the one
+after it, if it decodes the same rows, finds its aux input staged by them.
 """
 
 from __future__ import annotations
@@ -107,17 +107,10 @@ def tensor_parallel_size(vllm_config: VllmConfig) -> int:
 
 def step_graph_sizes(vllm_config: VllmConfig) -> list[int]:
     """vLLM's capture sizes where the step functions compile and vLLM graphs the backbone, unless
-    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`).
-    Off under tensor parallelism: a step graph would hold the aux head's all-gather and the staging
-    all-reduce, recorded outside vLLM's `graph_capture` and with a one-rank fallback that would leave
-    the other ranks waiting in a collective (docs/architecture.md, "Tensor-parallel stage 0")."""
+    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`)."""
     graphs = vllm_config.compilation_config.cudagraph_mode
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     if step_compile_backend(vllm_config) is None or graphs in (None, CUDAGraphMode.NONE) or not extra.get(STEP_GRAPHS_KEY, True):
-        return []
-    if tensor_parallel_size(vllm_config) > 1:
-        logger.warning_once("speech LM step graphs are off under tensor parallelism (tensor_parallel_size %d); the "
-                            "compiled step functions still run", tensor_parallel_size(vllm_config))
         return []
     return list(vllm_config.compilation_config.cudagraph_capture_sizes or [])
 
@@ -163,16 +156,16 @@ class SpeechLMSteps:
             device = self.model.lm_head.weight.device
             self.rules = DecodingRules(self.speech, device)
             self.table = RequestTable(self.speech, *self._table_shape, device)
-            self.text_rows = TextRowsWatch(device)
+            self.text_rows = TextRowsWatch(device, wait=self._tensor_parallel)
             if self._graph_sizes:
-                self.graphs = StepGraphs(self, self._graph_sizes)
+                self.graphs = StepGraphs(self, self._graph_sizes, tensor_parallel=self._tensor_parallel)
         return self.table, self.rules
 
     def use_step_graphs(self, record: Recorder | None = cuda_graph, sizes: list[int] | None = None) -> None:
         """Step graphs recorded by `record` at `sizes` (default: vLLM's), or none (None)."""
         self.state()
         sizes = sizes or self._graph_sizes
-        self.graphs = StepGraphs(self, sizes, record) if record is not None and sizes else None
+        self.graphs = StepGraphs(self, sizes, record, self._tensor_parallel) if record is not None and sizes else None
 
     def __len__(self) -> int:
         """Requests holding per-request state (tests assert it returns to 0)."""

@@ -15,6 +15,10 @@ of the next three steps: a step reads the newest note whose copy has landed, if 
 most three advances ago; otherwise it assumes text rows. (With vLLM's async scheduling the host
 prepares a step while the device still runs the ones before: at 512 audio answers on an H100,
 reading at most two advances back, only a fifth of the steps ruled text out.)
+
+Under tensor parallelism every rank must rule alike (the answer picks the step graphs' key, and
+the ranks record graphs together), so a step reads the note of exactly DEPTH advances back, waiting
+for its copy if it has not landed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ DEPTH = 3  # advances a note covers
 
 
 class TextRowsWatch:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, wait: bool = False):
+        self.wait = wait  # read the note DEPTH advances back, landed or not (tensor parallelism)
         self.flag = torch.ones((), dtype=torch.bool, device=device)  # written by the advance (graphs too)
         pinned = device.type == "cuda"
         self._notes = [torch.ones(1, dtype=torch.bool, pin_memory=pinned) for _ in range(DEPTH)]
@@ -43,10 +48,13 @@ class TextRowsWatch:
 
     def text_rows_possible(self) -> bool:
         """Whether the next advance may meet a text row: the newest landed note of the last
-        DEPTH advances, True when none has landed."""
-        for back in range(1, min(DEPTH, self._published) + 1):
+        DEPTH advances, True when none has landed (`wait`: the note DEPTH back, True before it)."""
+        first = DEPTH if self.wait else 1
+        for back in range(first, min(DEPTH, self._published) + 1):
             i = (self._published - back) % DEPTH
             event = self._events[i]
+            if event is not None and self.wait:
+                event.synchronize()
             if event is None or event.query():
                 self.num_read[back] += 1
                 return bool(self._notes[i].numpy()[0])
