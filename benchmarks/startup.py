@@ -14,7 +14,8 @@ torch.compile, the speech LM step functions, JIT kernel warm-up, CUDA graphs, en
 stage). Then --requests sequential requests: the speech server streams `/v1/audio/speech` (raw
 PCM, audio only) and the time to first audio of each is kept; the text LM streams
 `/v1/completions` and keeps the time to first token. The first request against the steady ones
-shows what a start-up left for the first user to pay.
+shows what a start-up left for the first user to pay; the files it added to the compile caches
+(`first_request_cache_files`) name what it compiled on its way.
 
 Model: the Bagpiper layout at Qwen3-8B geometry with dummy weights and a random X-Codec decoder
 of the released geometry (`--tiny`: the tiny ones, on CPU); deploy: the shipped
@@ -131,11 +132,23 @@ def text_ttft(url: str, model: str, max_tokens: int) -> float | None:
     return None
 
 
-def first_requests(probe, n: int) -> dict:
-    times = [probe() for _ in range(n)]
+def first_requests(probe, n: int, caches: dict[str, str] | None = None) -> dict:
+    """n sequential requests' first-output times; with `caches`, the files the first request added
+    to them (what it compiled on its way: a kernel the start-up left out)."""
+    before = cache_files(caches or {})
+    times = [probe()]
+    added = sorted(cache_files(caches or {}) - before)
+    times += [probe() for _ in range(n - 1)]
     steady = [t for t in times[1:] if t is not None]
     return {"seconds": times, "first_s": times[0], "tenth_s": times[9] if n >= 10 else None,
-            "steady_median_s": statistics.median(steady) if steady else None}
+            "steady_median_s": statistics.median(steady) if steady else None,
+            "first_request_cache_files": added[:100], "first_request_cache_files_count": len(added)}
+
+
+def cache_files(caches: dict[str, str]) -> set[str]:
+    """"NAME/relative path" of every file under each cache folder."""
+    return {f"{name}/{f.relative_to(root)}" for name, folder in caches.items() if (root := Path(folder)).is_dir()
+            for f in root.rglob("*") if f.is_file()}
 
 
 def cache_env(root: Path) -> dict[str, str]:
@@ -156,7 +169,8 @@ def start_once(engine: tuple, log: Path, env: dict, args) -> dict:
         result |= parse_log(log.read_text(errors="replace"), launched)
         model = _model_name(server.url)
         try:
-            result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests)
+            caches = {k: v for k, v in env.items() if k.endswith(("_CACHE_ROOT", "_CACHE_DIR", "_WORKSPACE_BASE"))}
+            result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests, caches)
         except Exception as e:  # noqa: BLE001 - the start was measured; say what the requests met
             result["requests"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     finally:

@@ -118,10 +118,10 @@ def test_warm_up_records_what_a_first_request_replays(generator, reference):
     or a CFG pair, text rows or none): that request, guided or not, records nothing more."""
     _set_graphs(generator, "eager")
     try:
-        assert worker_sum(generator.omni, _warm_up_graphs) == 8  # sizes 2 and 5 (1 row runs at 2): 4 keys each
+        assert worker_sum(generator.omni, _warm_up_graphs) == 4  # size 2 (1 row and a pair run at 2)
         for cfg_scale in (1.0, 3.0):
             generator.generate(PROMPTS[1], max_tokens=30, modality="text+audio", max_text_tokens=3, cfg_scale=cfg_scale)
-        assert worker_sum(generator.omni, _recorded_keys) == 8 and _counts(generator)[0] > 20
+        assert worker_sum(generator.omni, _recorded_keys) == 4 and _counts(generator)[0] > 20
     finally:
         _set_graphs(generator, None)
 
@@ -202,9 +202,9 @@ def test_step_graphs_follow_vllms_graphs_and_the_switch():
     from vllm_omni_speechlm.config import STEP_GRAPHS_KEY
     from vllm_omni_speechlm.models.steps import step_graph_sizes
 
-    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE)) == [1, 2, 4, 8]
-    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: True})) == [1, 2, 4, 8]
+    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE)) == [2, 4, 8]  # 1 row runs at 2
+    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: True})) == [2, 4, 8]
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, {STEP_GRAPHS_KEY: False})) == []
     assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.NONE)) == []
     assert step_graph_sizes(_vllm_config("cpu", CUDAGraphMode.FULL_AND_PIECEWISE)) == []
-    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, tp=2)) == [1, 2, 4, 8]
+    assert step_graph_sizes(_vllm_config("cuda", CUDAGraphMode.FULL_AND_PIECEWISE, tp=2)) == [2, 4, 8]

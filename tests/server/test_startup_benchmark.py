@@ -43,6 +43,26 @@ def test_log_lines_become_a_timeline_and_per_stage_phases():
     }
 
 
+def test_first_request_names_what_it_added_to_the_caches(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from startup import first_requests
+
+    cache = tmp_path / "triton"
+    (cache / "old").mkdir(parents=True)
+    (cache / "old" / "a.cubin").write_text("start-up")
+    added = iter([cache / "k1" / "first.cubin", cache / "second.cubin", None])
+
+    def probe() -> float:
+        if (path := next(added)) is not None:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text("compiled")
+        return 0.1
+
+    out = first_requests(probe, 3, {"TRITON_CACHE_DIR": str(cache)})
+    assert out["first_request_cache_files"] == ["TRITON_CACHE_DIR/k1/first.cubin"]
+    assert out["first_request_cache_files_count"] == 1 and out["seconds"] == [0.1] * 3
+
+
 def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
     out = tmp_path / "startup.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--tiny", "--out", str(out),

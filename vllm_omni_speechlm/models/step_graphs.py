@@ -159,9 +159,10 @@ class StepGraphs:
 
     def warm_up(self, max_top_k: int) -> int:
         """Record the keys one request meets with the checkpoint's default sampling (`max_top_k`):
-        one row, or a CFG pair; text rows or none. Returns how many keys have graphs."""
-        keys = [(size, max_top_k, no_text_rows, guided) for size in self.sizes[:2] for no_text_rows in (False, True)
-                for guided in (False, True) if size > 1 or not guided]
+        one row or a CFG pair (both at the smallest size), text rows or none. Returns how many
+        keys have graphs."""
+        keys = [(self.sizes[0], max_top_k, no_text_rows, guided) for no_text_rows in (False, True) for guided in (False, True)
+                if self.sizes[0] > 1 or not guided]
         return sum(self._graphs_for(key) is not None for key in keys)
 
     def _graphs_for(self, key: tuple) -> _Graphs | None:

@@ -106,13 +106,15 @@ def tensor_parallel_size(vllm_config: VllmConfig) -> int:
 
 
 def step_graph_sizes(vllm_config: VllmConfig) -> list[int]:
-    """vLLM's capture sizes where the step functions compile and vLLM graphs the backbone, unless
-    the user switched the step graphs off (`--additional-config '{"speech_lm_step_graphs": false}'`)."""
+    """vLLM's capture sizes of two rows and more where the step functions compile and vLLM graphs
+    the backbone, unless the user switched the step graphs off (`--additional-config
+    '{"speech_lm_step_graphs": false}'`). One row runs padded to two: the step functions then never
+    meet one row, and compile a variant fewer at start-up."""
     graphs = vllm_config.compilation_config.cudagraph_mode
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     if step_compile_backend(vllm_config) is None or graphs in (None, CUDAGraphMode.NONE) or not extra.get(STEP_GRAPHS_KEY, True):
         return []
-    return list(vllm_config.compilation_config.cudagraph_capture_sizes or [])
+    return [size for size in vllm_config.compilation_config.cudagraph_capture_sizes or [] if size > 1]
 
 
 class SpeechLMSteps:
@@ -127,6 +129,7 @@ class SpeechLMSteps:
         self.rules: DecodingRules | None = None
         self.graphs: StepGraphs | None = None  # built with the table where there are capture sizes
         self._graph_sizes = step_graph_sizes(vllm_config)
+        self._partial_chunks = bool(sched.enable_chunked_prefill)  # steps with rows that do not sample
         self._tensor_parallel = tensor_parallel_size(vllm_config) > 1
         self.rows = StepRows()
         self._frames: torch.Tensor | None = None
@@ -457,15 +460,18 @@ class SpeechLMSteps:
         """vLLM's dummy sampler run: compile the step functions now for the variants serving
         meets (one row or more, text rows or none, CFG pairs, partial prefill chunks: at most 6
         graphs a function, under dynamo's limit of 8, which fullgraph makes an error), so no
-        request waits on a compile. Inputs take the forms a step passes (a graph guards on
-        dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
+        request waits on a compile. With step graphs, the functions run only inside a recording
+        of two rows or more, except the aux staging, which runs before every forward; without
+        chunked prefill every row samples. Inputs take the forms a step passes (a graph guards
+        on dtypes, strides and offsets); the functions are pure, so slot 0 is left as it was."""
         self.state()  # the tables the functions read
         start, device = time.perf_counter(), hidden.device
         set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
         arange = functools.partial(torch.arange, device=device)
+        batches = ((hidden.shape[0], 0), (2, 1), (4, 2)) if self._graph_sizes else ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2))
         # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
         with fx_config.patch(use_duck_shape=False):
-            for n, pairs in ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2)):
+            for n, pairs in batches:
                 index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = self._global_aux_noise(n, device)
                 guided = _warm_up_guidance(n, pairs, device) if pairs else None
@@ -473,9 +479,11 @@ class SpeechLMSteps:
                 for no_text_rows in (False, True):
                     self._primary_logits(merged, kinds, index, 2, no_text_rows)
                 sampled = torch.zeros(n, 1, dtype=torch.int32, device=device)
-                for idx in (slice(None), arange(0), arange(1), arange(min(n, 2))):
+                partial = (arange(0), arange(1), arange(min(n, 2))) if self._partial_chunks else ()
+                for idx in (slice(None), *partial):
                     self._advance_rows(sampled, index, idx)
-                self._staged_aux(index)
+            for n in (hidden.shape[0], 1):
+                self._staged_aux(to_device(np.zeros((2, n), dtype=np.int64), device))
         logger.info("speech LM step functions compiled in %.1f s", time.perf_counter() - start)
 
 
