@@ -194,6 +194,9 @@ HOOKS = (
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "use_custom_op_call", "attribute"),
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "_all_reduce_out_place", "override", "self, input_"),
     Hook("vllm.distributed.parallel_state", "graph_capture", "call", "device, graph_capture_context=None"),  # step graphs
+    # the codec stage's kernel warm-up (without_kernel_warmup)
+    Hook("vllm.config.kernel:KernelConfig", "enable_jit_warmup", "attribute"),
+    Hook("vllm.config.kernel:KernelConfig", "enable_flashinfer_autotune", "attribute"),
 )
 
 
@@ -392,6 +395,13 @@ def add_post_route(path: str, endpoint: Callable[..., Any]) -> None:
 # vLLM's sampler modules: their JIT kernels (top-k / top-p, rejection sampling) run only for
 # requests that ask for them.
 SAMPLER_KERNEL_MODULES = ("vllm.v1.sample.",)
+
+
+def without_kernel_warmup(kernel_config: Any) -> None:
+    """vLLM's kernel warm-up off for a stage that runs none of vLLM's kernels: its JIT warm-up
+    and FlashInfer autotune (`KernelConfig`, which vllm-omni 0.30 lets no deploy YAML set)."""
+    kernel_config.enable_jit_warmup = False
+    kernel_config.enable_flashinfer_autotune = False
 
 
 def jit_warmup_kernels(model_runner: Any) -> dict[Any, list]:

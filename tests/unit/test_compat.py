@@ -123,9 +123,32 @@ def test_vllm_warms_up_the_runner_registry_the_workers_prune():
     source = inspect.getsource(kernel_warmup.kernel_warmup)
     assert "worker.model_runner.jit_warmup_registry" in source and "registry.warmup()" in source
     assert isinstance(JitWarmupRegistry(vllm_config=None)._registrations, dict)
+    assert SpeechLMARWorker.compile_or_warm_up_model is SamplerFreeWarmupMixin.compile_or_warm_up_model
     for worker in (SpeechLMARWorker, CodecStageWorker):
-        assert worker.compile_or_warm_up_model is SamplerFreeWarmupMixin.compile_or_warm_up_model
         assert worker.__mro__.index(SamplerFreeWarmupMixin) < worker.__mro__.index(Worker)
+
+
+def test_the_codec_stage_starts_without_vllms_kernel_warm_up(monkeypatch):
+    """The codec stage's worker turns vLLM's JIT warm-up and FlashInfer autotune off before
+    vllm-omni's GPU worker (which cannot run here: it only records what it would read) warms up,
+    through the two `KernelConfig` switches `kernel_warmup` reads."""
+    from vllm.config.kernel import KernelConfig
+
+    source = inspect.getsource(kernel_warmup.kernel_warmup)
+    assert "kernel_config.enable_jit_warmup" in source and "kernel_config.enable_flashinfer_autotune" in source
+    seen = []
+
+    def vllms_warm_up(self):
+        seen.append((self.vllm_config.kernel_config.enable_jit_warmup, self.vllm_config.kernel_config.enable_flashinfer_autotune))
+
+    from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
+
+    monkeypatch.setattr(GPUGenerationWorker, "compile_or_warm_up_model", vllms_warm_up)
+    worker = object.__new__(CodecStageWorker)
+    worker.vllm_config = SimpleNamespace(kernel_config=KernelConfig(enable_flashinfer_autotune=True))
+    worker.model_runner = SimpleNamespace()
+    worker.compile_or_warm_up_model()
+    assert seen == [(False, False)]
 
 
 def test_gpu_yamls_pick_the_pruning_workers_and_cpu_keeps_its_own():

@@ -38,7 +38,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
-from vllm_omni_speechlm.compat import drop_sampler_jit_warmup
+from vllm_omni_speechlm.compat import drop_sampler_jit_warmup, without_kernel_warmup
 from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
 
@@ -157,3 +157,10 @@ class SpeechLMARWorker(SamplerFreeWarmupMixin, GPUARWorker):
 
 class CodecStageWorker(SamplerFreeWarmupMixin, GPUGenerationWorker):
     """vllm-omni's GPU generation worker for the codec stage (deploy YAMLs: stage 1 `worker_cls`)."""
+
+    def compile_or_warm_up_model(self) -> Any:
+        # The codec runs PyTorch's own kernels only (no attention, KV cache or sampling): vLLM's JIT
+        # warm-up and FlashInfer autotune (a dummy run of max_num_batched_tokens) have nothing of it
+        # to warm. Its own shapes are decoded once in the dummy forward (codec_stage.py).
+        without_kernel_warmup(self.vllm_config.kernel_config)
+        return super().compile_or_warm_up_model()
