@@ -194,6 +194,7 @@ HOOKS = (
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "use_custom_op_call", "attribute"),
     Hook("vllm.distributed.parallel_state:GroupCoordinator", "_all_reduce_out_place", "override", "self, input_"),
     Hook("vllm.distributed.parallel_state", "graph_capture", "call", "device, graph_capture_context=None"),  # step graphs
+    Hook("vllm.distributed.parallel_state:GraphCaptureContext", "stream", "attribute"),
     # the codec stage's kernel warm-up (without_kernel_warmup)
     Hook("vllm.config.kernel:KernelConfig", "enable_jit_warmup", "attribute"),
     Hook("vllm.config.kernel:KernelConfig", "enable_flashinfer_autotune", "attribute"),
@@ -471,13 +472,22 @@ def custom_op_collectives(on: bool) -> bool:
     return before
 
 
-def graph_capture(device: Any) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def graph_capture(device: Any) -> Iterator[Any]:
     """vLLM's context for recording CUDA graphs that hold TP collectives: custom all-reduce takes
     its graph path and, on exit, registers the graphs' buffers with the other ranks (a collective:
-    every rank records the same graphs, in the same order)."""
+    every rank records the same graphs, in the same order). It records on a stream of its own;
+    afterwards the caller's stream waits for that stream's work (a recording's eager first run)."""
+    import torch
     from vllm.distributed.parallel_state import graph_capture as capture
 
-    return capture(device)
+    context = None
+    try:
+        with capture(device) as context:
+            yield context
+    finally:  # a failed recording too: its eager run may still be writing
+        if context is not None:
+            torch.cuda.current_stream(device).wait_stream(context.stream)
 
 
 # ---- concurrent stage start ---------------------------------------------------------------
