@@ -154,13 +154,12 @@ def cache_files(caches: dict[str, str]) -> set[str]:
 def cache_env(root: Path) -> dict[str, str]:
     """Every compile cache a start writes, under `root` (a fresh root: a cold start)."""
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-            "TRITON_CACHE_DIR": str(root / "triton"), "FLASHINFER_WORKSPACE_BASE": str(root / "flashinfer"),
-            "VLLM_LOGGING_LEVEL": "INFO"}
+            "TRITON_CACHE_DIR": str(root / "triton"), "FLASHINFER_WORKSPACE_BASE": str(root / "flashinfer")}
 
 
-def start_once(engine: tuple, log: Path, env: dict, args) -> dict:
+def start_once(engine: tuple, log: Path, caches: dict[str, str], args) -> dict:
     entrypoint, model_dir, serve_args, probe = engine
-    os.environ.update(env)  # inherited by the server's processes
+    os.environ.update(caches | {"VLLM_LOGGING_LEVEL": "INFO"})  # inherited by the server's processes
     launched = time.time()
     server = VllmServer(model_dir, serve_args, log, entrypoint=entrypoint)
     try:
@@ -169,7 +168,6 @@ def start_once(engine: tuple, log: Path, env: dict, args) -> dict:
         result |= parse_log(log.read_text(errors="replace"), launched)
         model = _model_name(server.url)
         try:
-            caches = {k: v for k, v in env.items() if k.endswith(("_CACHE_ROOT", "_CACHE_DIR", "_WORKSPACE_BASE"))}
             result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests, caches)
         except Exception as e:  # noqa: BLE001 - the start was measured; say what the requests met
             result["requests"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}

@@ -468,10 +468,10 @@ class SpeechLMSteps:
         start, device = time.perf_counter(), hidden.device
         set_torch_threads_for_runtime()  # what vLLM sets after its warm-up; graphs guard on it
         arange = functools.partial(torch.arange, device=device)
-        batches = ((hidden.shape[0], 0), (2, 1), (4, 2)) if self._graph_sizes else ((hidden.shape[0], 0), (1, 0), (2, 1), (4, 2))
+        one_row = () if self._graph_sizes else ((1, 0),)  # (rows, CFG pairs)
         # No duck shapes: a batch size equal to a table's length would tie the two in the graph.
         with fx_config.patch(use_duck_shape=False):
-            for n, pairs in batches:
+            for n, pairs in ((hidden.shape[0], 0), *one_row, (2, 1), (4, 2)):
                 index = to_device(np.zeros((2, n), dtype=np.int64), device)  # slot 0, output 0
                 noise = self._global_aux_noise(n, device)
                 guided = _warm_up_guidance(n, pairs, device) if pairs else None
