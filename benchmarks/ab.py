@@ -10,7 +10,9 @@ differences asked about (two runs of one build on one H100 were 2.6% apart), so 
 alternate and every timed run is kept. Per generation length and concurrency it reports each
 build's runs (frames/s) over all rounds, their median and spread ((max - min) / median), and the
 new median over the base's: "within noise" when the difference is no larger than the larger spread.
-Also each build's digest of a seeded request's frames (equal when the builds decode alike).
+Also each build's digest of a seeded request's frames (equal when the builds decode alike). The
+report is written after every run once both builds have one (`runs_done`), so a host taken back
+mid-way still leaves one.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def main() -> None:
             for level, rates in levels(result).items():
                 runs[build].setdefault(level, []).extend(rates)
             print(f"round {round_} {build}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in levels(result).items()), flush=True)
-    report["levels"] = summary(runs)
-    out.write_text(json.dumps(report, indent=2))
+            if runs["base"] and runs["new"]:  # after every run: a host taken back mid-way leaves a report
+                report |= {"runs_done": {b: len(report["digests"][b]) for b in BUILDS}, "levels": summary(runs)}
+                out.write_text(json.dumps(report, indent=2))
     for level, s in report["levels"].items():
         print(f"{level}: base {s['base']['median']:.0f} (spread {s['base']['spread']:.1%}), new {s['new']['median']:.0f} "
               f"(spread {s['new']['spread']:.1%}): {s['new_over_base']:+.1%}, {'within' if s['within_noise'] else 'outside'} noise")

@@ -27,7 +27,7 @@ def test_tiny_run_alternates_the_builds(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["levels"]) == {"8 x 2", "8 x 4"}
+    assert set(report["levels"]) == {"8 x 2", "8 x 4"} and report["runs_done"] == {"base": 1, "new": 1}
     for level in report["levels"].values():
         assert all(len(level[build]["frames_per_s"]) == 2 and level[build]["median"] > 0 for build in ("base", "new"))
     assert report["digests"]["base"] == report["digests"]["new"] and None not in report["digests"]["base"]  # one tree twice
