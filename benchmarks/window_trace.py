@@ -8,7 +8,8 @@ Per level (the lines between the level's first request and its end): stage 1's f
 per forward, the interval between forwards, the wait from a window's making in stage 0 to the
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
-steps.
+steps; and how late the API server's event loop woke (the per-second medians' median, the
+largest).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from pathlib import Path
 
 LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)")
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
+LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else (values[0] if values else None)
 
 
-def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]]) -> dict:
+def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], lags: list[tuple[float, ...]]) -> dict:
     t = [x[0] for x in lines]
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
@@ -35,6 +37,7 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]]) -
                          ("decode_ms", [x[5] for x in lines]), ("first_window_ms", [x[1] for x in firsts]),
                          ("first_window_steps", [x[2] for x in firsts])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
+    out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
     return out
 
 
@@ -45,14 +48,13 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    lines, firsts = ([tuple(map(float, m.groups())) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST))
+    traces = [[tuple(map(float, m.groups())) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, LAG)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")
         if start is None:
             continue
-        within = [(x for x in rows if start <= x[0] <= start + stats["wall_s"]) for rows in (lines, firsts)]
-        report[level] = summarize(*map(list, within))
+        report[level] = summarize(*([x for x in rows if start <= x[0] <= start + stats["wall_s"]] for rows in traces))
         print(level, json.dumps(report[level]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -16,6 +16,10 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
     codec_playout_margin_steps        int >= 0: 0, the fixed ramp (`next_window`); N, paced
                                       windows (`PlayoutPacer`) that keep N stage-0 steps of audio
                                       ahead of the listener
+    codec_paced_max_step_ms           int >= 0, paced windows only: a segment is paced when its
+                                      first window leaves while a stage-0 step takes at most this
+                                      long (a GPU with slack), else it takes the fixed ramp with
+                                      the full lookahead; 0: paced while faster than real time
 Any other `codec_*` key is a typo and is rejected. A request may set its own first window
 (`INITIAL_CHUNK_KEY` in its prompt's additional information, at most MAX_INITIAL_CHUNK_FRAMES).
 """
@@ -32,6 +36,7 @@ WINDOW_DEFAULTS = {
     "initial_codec_chunk_frames": 0,  # 0: the first window is a full chunk
     "codec_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (every window exact)
     "codec_playout_margin_steps": 0,  # 0: the fixed ramp
+    "codec_paced_max_step_ms": 0,  # 0: paced while faster than real time
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
@@ -69,6 +74,9 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
             f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
             f"codec_chunk_frames ({chunk}) (0 = a full chunk)"
         )
+    if out["codec_paced_max_step_ms"] and not out["codec_playout_margin_steps"]:
+        raise ValueError("connector extra: codec_paced_max_step_ms applies to paced windows; "
+                         "set codec_playout_margin_steps too")
     if reach is not None:
         _check_reach(out, reach)
     return out
@@ -157,7 +165,9 @@ class PlayoutPacer:
     margin. Under light load this sends a few small windows and then full chunks; under heavy load
     (pace near real time) smaller windows for longer. Slower than real time every listener stalls
     whatever the windows, and small ones would only add decode work (each re-decodes its context):
-    the windows then ramp up as the fixed ramp's do."""
+    the windows then ramp up as the fixed ramp's do. Where the codec stage shares the GPU, those
+    small windows slow stage 0 well before that: `codec_paced_max_step_ms` paces only the segments
+    that start while the step is short (`paces`), and leaves the others to the fixed ramp."""
 
     def __init__(self, settings: dict[str, int], frame_ms: float) -> None:
         self.settings, self.frame_ms = settings, frame_ms
@@ -176,14 +186,20 @@ class PlayoutPacer:
         return self.pace_ms or self.frame_ms  # unmeasured: assume real time
 
     @property
+    def paces(self) -> bool:
+        """Whether a segment starting now is paced: the step is measured, faster than real time
+        and within `codec_paced_max_step_ms` (0: no bound)."""
+        bound = self.settings["codec_paced_max_step_ms"] or self.frame_ms
+        return 0 < self.pace_ms < self.frame_ms and self.pace_ms <= bound
+
+    @property
     def _margin_ms(self) -> float:
         return self.settings["codec_playout_margin_steps"] * self._pace
 
     def first_chunk(self, deployment: int) -> int:
         """A segment's first window when the request did not set its own: at least `deployment`
-        frames and enough to cover one step plus the margin (not faster than real time, or not
-        measured yet: the fixed ramp's, `deployment`)."""
-        if self._pace >= self.frame_ms:
+        frames and enough to cover one step plus the margin (not paced now: `deployment`)."""
+        if not self.paces:
             return deployment
         covering = math.ceil((self._pace + self._margin_ms) / self.frame_ms)
         return min(self.settings["codec_chunk_frames"], max(deployment, covering))

@@ -5,11 +5,14 @@ Stage 0's processor stamps each window with the wall clock it was made at (`SENT
 in microseconds, carried like the output rate); stage 1 logs one line per forward: how many
 windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
 and how long the decode took. Stage 0's window gate logs, per answer, how long after its arrival
-its first window left. `benchmarks/window_trace.py` summarizes the lines of a server log.
+its first window left. The API server, from its first speech request on, logs once a second how
+late its event loop woke (the loop that relays every stage's outputs and streams every answer).
+`benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -19,6 +22,8 @@ ENABLED = os.environ.get("SPEECHLM_TRACE_WINDOWS") == "1"
 SENT_KEY = "window_sent_us"
 LINE = "window trace:"
 FIRST_LINE = "first window trace:"
+LAG_LINE = "event loop trace:"
+LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
 
 
@@ -50,3 +55,27 @@ def log_first_window(arrival_time: float | None, steps: int) -> None:
     if ENABLED and arrival_time:
         now = time.time()
         logger.info("%s t=%.3f since_arrival_ms=%.1f steps=%d", FIRST_LINE, now, (now - arrival_time) * 1e3, steps)
+
+
+_lag_watch: asyncio.Task | None = None
+
+
+def watch_event_loop() -> None:
+    """The API server, on a speech request: start logging its event loop's lateness (once)."""
+    global _lag_watch
+    if ENABLED and _lag_watch is None:
+        _lag_watch = asyncio.get_running_loop().create_task(_log_lateness())
+
+
+async def _log_lateness() -> None:
+    """Every LAG_PERIOD_S a wake-up; once a second the median and largest lateness."""
+    late, since = [], time.monotonic()
+    while True:
+        asleep = time.monotonic()
+        await asyncio.sleep(LAG_PERIOD_S)
+        now = time.monotonic()
+        late.append((now - asleep - LAG_PERIOD_S) * 1e3)
+        if now - since >= 1.0:
+            late.sort()
+            logger.info("%s t=%.3f late_ms_p50=%.1f late_ms_max=%.1f", LAG_LINE, time.time(), late[len(late) // 2], late[-1])
+            late, since = [], now

@@ -274,6 +274,22 @@ def test_holdback_makes_windows_exact(tiny_bagpiper, long_clip, holdback):
         assert err > 100 * ATOL
 
 
+@pytest.mark.parametrize("step_s", [0.007, 0.015])
+def test_a_bound_on_the_step_leaves_longer_steps_to_the_fixed_ramp(tiny_bagpiper, long_clip, step_s):
+    """`codec_paced_max_step_ms` 10: at 7 ms a step the windows are paced from a first lookahead
+    of 2; at 15 ms they are the fixed ramp's, every one with the full lookahead."""
+    extra = {"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": 2, "codec_playout_margin_steps": 4,
+             "codec_paced_max_step_ms": 10}
+    bounded, _ = feed_processor(TransferManager(tiny_bagpiper, **extra), long_clip.tokens, gated=True, step_s=step_s)
+    fixed, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2), long_clip.tokens, gated=True)
+
+    def windows(payloads):
+        return [(p.codes.audio.numel() // 8, p.meta.right_holdback_size) for p in payloads]
+
+    assert (windows(bounded) == windows(fixed)) == (step_s > 0.010)
+    assert bounded[0].meta.right_holdback_size == (2 if step_s < 0.010 else 10)
+
+
 @pytest.mark.parametrize("min_holdback", [10, 2])
 def test_paced_windows_through_the_gate(tiny_bagpiper, long_clip, min_holdback):
     """Paced windows (the gate's clock at 15 ms a step, 4 steps of margin): more, smaller windows

@@ -124,3 +124,16 @@ def test_the_pacer_measures_the_step_and_sizes_the_first_window_by_it():
     assert pacer.pace_ms == pytest.approx(10.0)
     assert pacer.first_chunk(2) == 3  # (10 + 40) / 20, rounded up
     assert pacer.first_chunk(8) == 8  # never below the deployment's
+
+
+def test_a_bound_on_the_step_paces_only_while_the_step_is_short():
+    settings = window_settings({"codec_playout_margin_steps": 4, "codec_paced_max_step_ms": 8})
+    pacer = PlayoutPacer(settings, FRAME_MS)
+    assert not pacer.paces  # unmeasured
+    for t in (0.0, 0.007, 0.014):
+        pacer.tick(t)
+    assert pacer.paces and pacer.first_chunk(1) == 2  # (7 + 28) / 20, rounded up
+    for t in (0.024, 0.034, 0.044, 0.054):
+        pacer.tick(t)
+    assert pacer.pace_ms > 8 and not pacer.paces
+    assert pacer.first_chunk(1) == 1  # the fixed ramp's

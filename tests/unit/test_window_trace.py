@@ -33,7 +33,7 @@ def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
     assert (windows, frames) == (2, 120)  # the untraced window is not counted
     assert wait_min == pytest.approx(10, abs=0.2) and wait_max == pytest.approx(30, abs=0.2)
     assert 0 <= decode < 1000 and t >= now - 1e-3  # logged to the millisecond
-    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [])
+    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [], [])
     assert summary["forwards"] == 2 and summary["windows_per_forward"] == 1.5
     assert summary["interval_ms"]["p50"] == pytest.approx(50, abs=0.01)
 
@@ -48,4 +48,28 @@ def test_a_first_window_line_gives_the_time_since_arrival(monkeypatch, caplog):
     [line] = [r.getMessage() for r in caplog.records]
     first = tuple(map(float, FIRST.search(line).groups()))
     assert first[1] == pytest.approx(120, abs=5) and first[2] == 12
-    assert summarize([], [first])["first_window_steps"]["p50"] == 12
+    assert summarize([], [first], [])["first_window_steps"]["p50"] == 12
+
+
+def test_the_event_loop_line_gives_its_lateness(monkeypatch, caplog):
+    """A loop kept busy 50 ms once in a second: the median wake-up is on time, the largest late by most of it."""
+    import asyncio
+
+    from window_trace import LAG, summarize
+
+    async def busy_once() -> None:
+        window_trace.watch_event_loop()
+        window_trace.watch_event_loop()  # once per process
+        await asyncio.sleep(0.3)
+        time.sleep(0.05)  # holds the loop
+        await asyncio.sleep(0.8)
+        window_trace._lag_watch.cancel()
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    monkeypatch.setattr(window_trace, "_lag_watch", None)
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        asyncio.run(busy_once())
+    [line] = [r.getMessage() for r in caplog.records]
+    lag = tuple(map(float, LAG.search(line).groups()))
+    assert lag[1] < 10 and 35 < lag[2] < 100  # woken 40-50 ms late: its 10 ms sleep had begun
+    assert summarize([], [], [lag])["event_loop_late_ms"] == {"p50": lag[1], "max": lag[2]}

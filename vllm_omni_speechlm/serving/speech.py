@@ -30,6 +30,7 @@ from pydantic import AliasChoices
 from vllm_omni.entrypoints.openai.tts_adapters import TTS_ADAPTER_REGISTRY, register_tts_adapter
 from vllm_omni.entrypoints.openai.tts_adapters.base import ARTTSAdapter, PreparedRequest
 
+from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.compat import dispatch_route
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.pipeline import CODEC_STAGE, SPEECH_LM_STAGE
@@ -174,6 +175,7 @@ def with_top_level_options(request: Any, body: Any) -> Any:
 
 async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
     """vllm-omni's speech route, for these models: the top-level options first (module docstring)."""
+    window_trace.watch_event_loop()
     try:
         request = with_top_level_options(request, await raw_request.json())
     except ValueError as e:

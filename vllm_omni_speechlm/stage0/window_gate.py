@@ -31,7 +31,14 @@ from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
 from vllm_omni_speechlm.frames import frame_rows
-from vllm_omni_speechlm.streaming import WINDOW_KEY, PlayoutPacer, first_window, next_window, requested_first_window
+from vllm_omni_speechlm.streaming import (
+    MIN_HOLDBACK_KEY,
+    WINDOW_KEY,
+    PlayoutPacer,
+    first_window,
+    next_window,
+    requested_first_window,
+)
 
 
 @dataclass
@@ -39,6 +46,7 @@ class _GateState:
     own_first_chunk: int | None  # the request's own first window
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
+    paced: bool = False  # the segment's windows are paced (decided at its first window)
     plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (pacer)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
     pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
@@ -53,6 +61,9 @@ class WindowGate:
         self._open: dict[str, _GateState] = {}
         paced = settings["codec_playout_margin_steps"] > 0
         self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
+        # With a pacer, the first lookahead is for paced segments: a ramped one's second window
+        # would wait for the full lookahead while the listener plays the first.
+        self._ramp = settings | {MIN_HOLDBACK_KEY: settings["codec_right_holdback_frames"]} if paced else settings
         # Parallel rules: a row is audio iff its stream 0 is a codec code.
         s0 = cfg.streams[0]
         self._codes = range(s0.vocab_start, s0.vocab_end) if cfg.decoding.parallel_segments else None
@@ -101,7 +112,9 @@ class WindowGate:
         return True, (self._take(state) or {}) | {WINDOW_KEY: window}
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
-        if self.pacer is not None:  # the listener plays from the first window, pausing when dry
+        if not state.emitted:
+            state.paced = self._paces()
+        if state.paced:  # the listener plays from the first window, pausing when dry
             state.plays_until = max(state.plays_until, now) + (window[0] - state.emitted) * self.pacer.frame_ms / 1e3
         state.emitted, state.holdback = window
 
@@ -114,6 +127,7 @@ class WindowGate:
                 state.audio += 1
             elif state.audio:
                 state.audio = state.emitted = 0
+                state.paced = False
                 ended = True
         return ended
 
@@ -127,12 +141,17 @@ class WindowGate:
     def _due(self, state: _GateState, num_audio_rows: int, now: float) -> tuple[int, int] | None:
         """(end, holdback) of the window due with these rows, or None."""
         total = num_complete_frames(num_audio_rows, self.cfg.num_streams)
-        if self.pacer is not None and state.emitted:
+        if state.paced:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
         first = state.own_first_chunk or first_window({}, self.settings)
-        if self.pacer is not None and not state.own_first_chunk:
+        if state.emitted or not self._paces():
+            return next_window(total, state.emitted, first, self._ramp, False)
+        if not state.own_first_chunk:
             first = self.pacer.first_chunk(first)
-        return next_window(total, state.emitted, first, self.settings, False)
+        return next_window(total, 0, first, self.settings, False)
+
+    def _paces(self) -> bool:
+        return self.pacer is not None and self.pacer.paces
 
     @staticmethod
     def _take(state: _GateState) -> dict | None:
