@@ -6,7 +6,8 @@ in microseconds, carried like the output rate); stage 1 logs one line per forwar
 windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
 and how long the decode took. Stage 0's window gate logs, per answer, how long after its arrival
 its first window left. The API server, from its first speech request on, logs once a second how
-late its event loop woke (the loop that relays every stage's outputs and streams every answer).
+late its event loop woke: the loop that streams every answer, whose interpreter lock the thread
+relaying the stages' outputs (vllm-omni's orchestrator) shares.
 `benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 
