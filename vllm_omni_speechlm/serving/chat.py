@@ -30,6 +30,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -237,32 +238,44 @@ async def _chunks(engine_client: Any, model: ServedModel, request: Any, prompt: 
         return f"data: {json.dumps(head | {'choices': [choice]} | extra)}\n\n"
 
     yield event({"role": "assistant", "content": ""})
-    sent = text = ""
-    tokens, finish = [], None
+    text, finish = TextStream(model), None
     async for out in engine_outputs(engine_client, prompt, stage0, modality, request_id, stream_text=modality != "audio"):
         if is_audio_output(out):
             for chunk in _audio_chunks(out):
                 yield event({"audio": {"id": f"audio_{request_id}", "data": base64.b64encode(to_pcm16(chunk)).decode()}})
         elif out.outputs:
-            tokens += out.outputs[0].token_ids
             finish = out.outputs[0].finish_reason or finish
-            if has_text(out.outputs[0].token_ids, model.cfg):
-                text = decode_text(model.tokenizer, tokens, model.cfg)
-            if delta := new_text(text, sent):
+            if delta := text.add(out.outputs[0].token_ids):
                 yield event({"content": delta})
-                sent = text
-    if text != sent:  # the rest, a cut character included
-        yield event({"content": text[len(sent):]})
+    if rest := text.rest():
+        yield event({"content": rest})
     wants_usage = request.stream_options is not None and request.stream_options.include_usage
-    usage = {"usage": _usage(len(prompt["prompt_token_ids"]), len(tokens))} if wants_usage else {}
+    usage = {"usage": _usage(len(prompt["prompt_token_ids"]), len(text.tokens))} if wants_usage else {}
     yield event({}, finish or "stop", **usage)
     yield "data: [DONE]\n\n"
 
 
-def new_text(text: str, sent: str) -> str:
-    """What a stream sends of the text decoded so far: the part after `sent`, or nothing while its
-    last character is still cut in two (its next token completes it)."""
-    return "" if text.endswith("\ufffd") else text[len(sent):]
+class TextStream:
+    """An answer's text as its stream-0 tokens arrive, and what a stream sends of it: each new
+    part once its last character is whole (a token may cut one in two), the rest at the end."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model, self.tokens, self.text, self.sent = model, [], "", ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """A step's tokens -> the new text to send now ("" while a character is cut)."""
+        self.tokens += token_ids
+        if has_text(token_ids, self.model.cfg):
+            self.text = decode_text(self.model.tokenizer, self.tokens, self.model.cfg)
+        if self.text.endswith("\ufffd") or self.text == self.sent:
+            return ""
+        delta, self.sent = self.text[len(self.sent):], self.text
+        return delta
+
+    def rest(self) -> str:
+        """What is left to send at the end, a cut character included."""
+        rest, self.sent = self.text[len(self.sent):], self.text
+        return rest
 
 
 def _response(request: Any, model: ServedModel, request_id: str, prompt_len: int, tokens: list[int],

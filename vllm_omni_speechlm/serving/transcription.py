@@ -27,9 +27,9 @@ from vllm.entrypoints.speech_to_text.transcription.protocol import Transcription
 from vllm_omni_speechlm.engine_request import engine_prompt, stage0_sampling_params
 from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
-from vllm_omni_speechlm.serving.chat import BadRequest, audio_clip, engine_outputs, is_audio_output, new_text
+from vllm_omni_speechlm.serving.chat import BadRequest, TextStream, audio_clip, engine_outputs, is_audio_output
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model
-from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt, has_text
+from vllm_omni_speechlm.tokenizer import encode_prompt
 
 ROUTE = "/v1/audio/transcriptions"
 FORMATS = ("json", "text")
@@ -60,40 +60,30 @@ def build_request(request: Any, sent: set[str], data: bytes, model: ServedModel)
     return engine_prompt(ids, params, audio=[clip]), stage0_sampling_params(model.cfg, params), clip[0].size / clip[1]
 
 
-async def _texts(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str, stream: bool):
-    """(transcript so far, finish reason) after each step if `stream`, else once at the end."""
-    tokens, text = [], ""
+async def _deltas(engine_client: Any, text: TextStream, prompt: dict, stage0: Any, request_id: str, stream: bool):
+    """The transcript's new parts as they come if `stream`, else all of it once at the end."""
     async for out in engine_outputs(engine_client, prompt, stage0, "text", request_id, stream_text=stream):
-        if out.outputs and not is_audio_output(out):
-            tokens += out.outputs[0].token_ids
-            if has_text(out.outputs[0].token_ids, model.cfg):
-                text = decode_text(model.tokenizer, tokens, model.cfg)
-            yield text, out.outputs[0].finish_reason
+        if out.outputs and not is_audio_output(out) and (delta := text.add(out.outputs[0].token_ids)):
+            yield delta
+    if rest := text.rest():
+        yield rest
 
 
 async def _transcript(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str) -> str:
-    text = ""
-    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id, stream=False):
+    text = TextStream(model)
+    async for _ in _deltas(engine_client, text, prompt, stage0, request_id, stream=False):
         pass
-    return text
+    return text.text
 
 
 async def _events(engine_client: Any, model: ServedModel, prompt: dict, stage0: Any, request_id: str, seconds: float):
     """OpenAI's transcription stream: a `transcript.text.delta` event per new piece of text, then
     `transcript.text.done` with the whole text, then [DONE]."""
-    sent = text = ""
-    async for text, _ in _texts(engine_client, model, prompt, stage0, request_id, stream=True):
-        if delta := new_text(text, sent):
-            yield _delta_event(delta)
-            sent = text
-    if text != sent:  # the rest, a cut character included
-        yield _delta_event(text[len(sent):])
-    done = {"type": "transcript.text.done", "text": text, "usage": _usage(seconds)}
+    text = TextStream(model)
+    async for delta in _deltas(engine_client, text, prompt, stage0, request_id, stream=True):
+        yield f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': delta})}\n\n"
+    done = {"type": "transcript.text.done", "text": text.text, "usage": _usage(seconds)}
     yield f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
-
-
-def _delta_event(delta: str) -> str:
-    return f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': delta})}\n\n"
 
 
 def _usage(seconds: float) -> dict:
