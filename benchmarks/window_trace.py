@@ -8,7 +8,8 @@ Per level (the lines between the level's first request and its end): stage 1's f
 per forward, the interval between forwards, the wait from a window's making in stage 0 to the
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
-steps; and how late the API server's event loop woke (the per-second medians' median, the
+steps; how long after its request the API server sent an answer's first bytes; and how late the
+API server's event loop woke (the per-second medians' median, the
 largest).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)")
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
+BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
 
 
@@ -29,13 +31,14 @@ def _pct(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else (values[0] if values else None)
 
 
-def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], lags: list[tuple[float, ...]]) -> dict:
+def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], sends: list[tuple[float, ...]],
+              lags: list[tuple[float, ...]]) -> dict:
     t = [x[0] for x in lines]
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
     for name, values in (("interval_ms", [g * 1e3 for g in gaps]), ("wait_ms_max", [x[4] for x in lines]),
                          ("decode_ms", [x[5] for x in lines]), ("first_window_ms", [x[1] for x in firsts]),
-                         ("first_window_steps", [x[2] for x in firsts])):
+                         ("first_window_steps", [x[2] for x in firsts]), ("first_bytes_ms", [x[1] for x in sends])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
     return out
@@ -48,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    traces = [[tuple(map(float, m.groups())) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, LAG)]
+    traces = [[tuple(map(float, m.groups())) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")

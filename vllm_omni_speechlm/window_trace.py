@@ -5,9 +5,10 @@ Stage 0's processor stamps each window with the wall clock it was made at (`SENT
 in microseconds, carried like the output rate); stage 1 logs one line per forward: how many
 windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
 and how long the decode took. Stage 0's window gate logs, per answer, how long after its arrival
-its first window left. The API server, from its first speech request on, logs once a second how
-late its event loop woke: the loop that streams every answer, whose interpreter lock the thread
-relaying the stages' outputs (vllm-omni's orchestrator) shares.
+its first window left. The API server logs, per streamed answer, when its first bytes left, and
+from its first speech request on, once a second how late its event loop woke: the loop that
+streams every answer, whose interpreter lock the thread relaying the stages' outputs
+(vllm-omni's orchestrator) shares.
 `benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 
@@ -24,6 +25,7 @@ SENT_KEY = "window_sent_us"
 LINE = "window trace:"
 FIRST_LINE = "first window trace:"
 LAG_LINE = "event loop trace:"
+BYTES_LINE = "first bytes trace:"
 LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,35 @@ def log_first_window(arrival_time: float | None, steps: int) -> None:
     if ENABLED and arrival_time:
         now = time.time()
         logger.info("%s t=%.3f since_arrival_ms=%.1f steps=%d", FIRST_LINE, now, (now - arrival_time) * 1e3, steps)
+
+
+def first_bytes_logged(response: Any, since: float) -> Any:
+    """The API server: a streamed response whose first bytes are logged, with the time since
+    the request came (`since`, time.time())."""
+    if ENABLED and hasattr(response, "body_iterator"):
+        response.body_iterator = _FirstBytesLogged(response.body_iterator, since)
+    return response
+
+
+class _FirstBytesLogged:
+    def __init__(self, body: Any, since: float):
+        self._body, self._since = body, since
+
+    def __aiter__(self) -> _FirstBytesLogged:
+        return self
+
+    async def __anext__(self) -> Any:
+        chunk = await self._body.__anext__()
+        if self._since and chunk:
+            now = time.time()
+            logger.info("%s t=%.3f since_request_ms=%.1f", BYTES_LINE, now, (now - self._since) * 1e3)
+            self._since = 0.0
+        return chunk
+
+    async def aclose(self) -> None:
+        close = getattr(self._body, "aclose", None)
+        if close is not None:
+            await close()
 
 
 _lag_watch: asyncio.Task | None = None

@@ -33,7 +33,7 @@ def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
     assert (windows, frames) == (2, 120)  # the untraced window is not counted
     assert wait_min == pytest.approx(10, abs=0.2) and wait_max == pytest.approx(30, abs=0.2)
     assert 0 <= decode < 1000 and t >= now - 1e-3  # logged to the millisecond
-    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [], [])
+    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [], [], [])
     assert summary["forwards"] == 2 and summary["windows_per_forward"] == 1.5
     assert summary["interval_ms"]["p50"] == pytest.approx(50, abs=0.01)
 
@@ -48,7 +48,7 @@ def test_a_first_window_line_gives_the_time_since_arrival(monkeypatch, caplog):
     [line] = [r.getMessage() for r in caplog.records]
     first = tuple(map(float, FIRST.search(line).groups()))
     assert first[1] == pytest.approx(120, abs=5) and first[2] == 12
-    assert summarize([], [first], [])["first_window_steps"]["p50"] == 12
+    assert summarize([], [first], [], [])["first_window_steps"]["p50"] == 12
 
 
 def test_the_event_loop_line_gives_its_lateness(monkeypatch, caplog):
@@ -72,4 +72,45 @@ def test_the_event_loop_line_gives_its_lateness(monkeypatch, caplog):
     [line] = [r.getMessage() for r in caplog.records]
     lag = tuple(map(float, LAG.search(line).groups()))
     assert lag[1] < 10 and 35 < lag[2] < 100  # woken 40-50 ms late: its 10 ms sleep had begun
-    assert summarize([], [], [lag])["event_loop_late_ms"] == {"p50": lag[1], "max": lag[2]}
+    assert summarize([], [], [], [lag])["event_loop_late_ms"] == {"p50": lag[1], "max": lag[2]}
+
+
+def test_a_streamed_answer_logs_when_its_first_bytes_left(monkeypatch, caplog):
+    """Once per answer, at its first non-empty chunk; the body is still read whole and closed."""
+    import asyncio
+
+    from window_trace import BYTES, summarize
+
+    class Body:
+        closed = False
+
+        def __init__(self):
+            self.chunks = iter([b"", b"pcm1", b"pcm2"])
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(0.01)
+            try:
+                return next(self.chunks)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        async def aclose(self):
+            Body.closed = True
+
+    async def stream():
+        response = type("Response", (), {"body_iterator": Body()})()
+        window_trace.first_bytes_logged(response, time.time() - 0.1)
+        chunks = [c async for c in response.body_iterator]
+        await response.body_iterator.aclose()
+        return chunks
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        assert asyncio.run(stream()) == [b"", b"pcm1", b"pcm2"]
+    [line] = [r.getMessage() for r in caplog.records]
+    sent = tuple(map(float, BYTES.search(line).groups()))
+    assert 115 <= sent[1] < 1000 and Body.closed  # the request's 100 ms and two reads
+    assert summarize([], [], [sent], [])["first_bytes_ms"]["p50"] == sent[1]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, ClassVar
 
 from pydantic import AliasChoices
@@ -176,11 +177,12 @@ def with_top_level_options(request: Any, body: Any) -> Any:
 async def create_speech(request: Any, raw_request: Any, stock: Any) -> Any:
     """vllm-omni's speech route, for these models: the top-level options first (module docstring)."""
     window_trace.watch_event_loop()
+    since = time.time()
     try:
         request = with_top_level_options(request, await raw_request.json())
     except ValueError as e:
         return options.bad_request(str(e))
-    return await admitted(raw_request, lambda: stock(request, raw_request))
+    return window_trace.first_bytes_logged(await admitted(raw_request, lambda: stock(request, raw_request)), since)
 
 
 def register() -> None:
