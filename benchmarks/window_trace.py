@@ -21,7 +21,7 @@ import re
 import statistics
 from pathlib import Path
 
-LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)")
+LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
 BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
@@ -37,7 +37,7 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
     for name, values in (("interval_ms", [g * 1e3 for g in gaps]), ("wait_ms_max", [x[4] for x in lines]),
-                         ("decode_ms", [x[5] for x in lines]), ("first_window_ms", [x[1] for x in firsts]),
+                         ("decode_ms", [x[5] for x in lines]), ("queue_ms_max", [x[6] for x in lines if x[6] is not None]), ("first_window_ms", [x[1] for x in firsts]),
                          ("first_window_steps", [x[2] for x in firsts]), ("first_bytes_ms", [x[1] for x in sends])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    traces = [[tuple(map(float, m.groups())) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG)]
+    traces = [[tuple(None if g is None else float(g) for g in m.groups()) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")

@@ -1,10 +1,12 @@
 """Per-window timing of the streaming path, for diagnosis (`SPEECHLM_TRACE_WINDOWS=1` in the
 server's environment; off by default, and then nothing is added to a window or logged).
 
-Stage 0's processor stamps each window with the wall clock it was made at (`SENT_KEY`, an integer
-in microseconds, carried like the output rate); stage 1 logs one line per forward: how many
-windows, how long since each was made (the hand-off: connector, polling, stage 1's scheduling)
-and how long the decode took. Stage 0's window gate logs, per answer, how long after its arrival
+Stage 0's window gate stamps each window's rows with the wall clock it handed them over at
+(`HANDED_KEY`), and the processor, on the adapter's save thread, the window with the time it cut it
+(`SENT_KEY`; integers in microseconds, carried like the output rate); stage 1 logs one line per
+forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
+long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
+decode took. Stage 0's window gate logs, per answer, how long after its arrival
 its first window left. The API server logs, per streamed answer, when its first bytes left, and
 from its first speech request on, once a second how late its event loop woke: the loop that
 streams every answer, whose interpreter lock the thread relaying the stages' outputs
@@ -22,6 +24,7 @@ from typing import Any
 
 ENABLED = os.environ.get("SPEECHLM_TRACE_WINDOWS") == "1"
 SENT_KEY = "window_sent_us"
+HANDED_KEY = "window_handed_us"
 LINE = "window trace:"
 FIRST_LINE = "first window trace:"
 LAG_LINE = "event loop trace:"
@@ -30,13 +33,22 @@ LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
 
 
-def stamp() -> dict[str, int]:
-    """A window's extra information: when it was made ({} when tracing is off)."""
-    return {SENT_KEY: time.time_ns() // 1000} if ENABLED else {}
+def handed() -> dict[str, int]:
+    """The gate's rows of a window: when they were handed over ({} when tracing is off)."""
+    return {HANDED_KEY: time.time_ns() // 1000} if ENABLED else {}
 
 
-def sent_us(info: Any) -> int | None:
-    value = info.get(SENT_KEY) if isinstance(info, dict) else None
+def stamp(rows: Any = None) -> dict[str, int]:
+    """A window's extra information: when it was cut, and when the gate handed its `rows` over
+    ({} when tracing is off)."""
+    if not ENABLED:
+        return {}
+    at = rows.get(HANDED_KEY) if isinstance(rows, dict) else None
+    return {SENT_KEY: time.time_ns() // 1000} | ({HANDED_KEY: at} if at is not None else {})
+
+
+def sent_us(info: Any, key: str = SENT_KEY) -> int | None:
+    value = info.get(key) if isinstance(info, dict) else None
     if isinstance(value, list):  # scalars may arrive wrapped
         value = value[0] if value else None
     return None if value is None else int(value)
@@ -49,8 +61,9 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
         return
     done = time.time()
     waits = sorted(started * 1e3 - s / 1e3 for s in sent)
-    logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f",
-                LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3)
+    queued = [(sent_us(i) - h) / 1e3 for i in infos if sent_us(i) is not None and (h := sent_us(i, HANDED_KEY)) is not None]
+    logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f queue_ms_max=%.1f",
+                LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
 
 
 def log_first_window(arrival_time: float | None, steps: int) -> None:

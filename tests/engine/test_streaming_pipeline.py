@@ -368,3 +368,15 @@ def test_window_gate_hands_over_only_window_steps(tiny_bagpiper, reference, moda
     for a, b in zip(plain, gated):
         assert torch.equal(a.codes.audio, b.codes.audio)
         assert (a.meta.left_context_size, a.meta.right_holdback_size) == (b.meta.left_context_size, b.meta.right_holdback_size)
+
+
+def test_traced_windows_carry_when_the_gate_handed_them_over(tiny_bagpiper, long_clip, monkeypatch):
+    """SPEECHLM_TRACE_WINDOWS: every window the gate decided carries its hand-over time and, no
+    earlier, the time the processor cut it (stage 1's `queue_ms_max`: the save thread's lag)."""
+    from vllm_omni_speechlm import window_trace
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    payloads, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2), long_clip.tokens, gated=True)
+    stamps = [(getattr(p, window_trace.HANDED_KEY, None), getattr(p, window_trace.SENT_KEY, None)) for p in payloads]
+    decided = stamps[:-1]  # the last is the flush at finish, which the gate hands over undecided
+    assert decided and all(handed is not None and 0 <= sent - handed < 10_000_000 for handed, sent in decided)

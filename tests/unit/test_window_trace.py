@@ -25,17 +25,20 @@ def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
 
     monkeypatch.setattr(window_trace, "ENABLED", True)
     now = time.time()
-    infos = [{window_trace.SENT_KEY: [int((now - 0.030) * 1e6)]}, {window_trace.SENT_KEY: int((now - 0.010) * 1e6)}, {}]
+    infos = [{window_trace.SENT_KEY: [int((now - 0.030) * 1e6)], window_trace.HANDED_KEY: int((now - 0.042) * 1e6)},
+             {window_trace.SENT_KEY: int((now - 0.010) * 1e6)}, {}]
     with caplog.at_level(logging.INFO, logger=window_trace.__name__):
         window_trace.log_forward(infos, started=now, frames=120)
     [line] = [r.getMessage() for r in caplog.records]
-    t, windows, frames, wait_min, wait_max, decode = map(float, LINE.search(line).groups())
+    t, windows, frames, wait_min, wait_max, decode, queue = map(float, LINE.search(line).groups())
     assert (windows, frames) == (2, 120)  # the untraced window is not counted
     assert wait_min == pytest.approx(10, abs=0.2) and wait_max == pytest.approx(30, abs=0.2)
+    assert queue == pytest.approx(12, abs=0.2)  # handed over 12 ms before it was cut
     assert 0 <= decode < 1000 and t >= now - 1e-3  # logged to the millisecond
-    summary = summarize([(t, windows, frames, wait_min, wait_max, decode), (t + 0.05, 1, 60, 1.0, 1.0, 2.0)], [], [], [])
+    summary = summarize([(t, windows, frames, wait_min, wait_max, decode, queue), (t + 0.05, 1, 60, 1.0, 1.0, 2.0, None)], [], [], [])
     assert summary["forwards"] == 2 and summary["windows_per_forward"] == 1.5
     assert summary["interval_ms"]["p50"] == pytest.approx(50, abs=0.01)
+    assert summary["queue_ms_max"]["p50"] == queue  # a line of an older log has none
 
 
 def test_a_first_window_line_gives_the_time_since_arrival(monkeypatch, caplog):

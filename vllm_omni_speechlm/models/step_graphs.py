@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,6 +196,7 @@ class StepGraphs:
             return steps.advance_step(sampled[guidance[0][1]] if guided else sampled, index, slice(None), frames)
 
         capture = graph_capture(index.device) if index.device.type == "cuda" else contextlib.nullcontext()
+        started = time.perf_counter()
         try:
             with capture:
                 graphs = _Graphs(self.record(logits, self.pool), self.record(advance, self.pool))
@@ -204,6 +206,6 @@ class StepGraphs:
             logger.exception("speech LM step graphs: recording failed; steps run without them")
             self.record = None
             return None
-        logger.info("speech LM step graphs recorded: %d rows, top-k width %d, text rows %s, CFG pairs %s", size, max_top_k,
-                    not no_text_rows, guided)
+        logger.info("speech LM step graphs recorded: %d rows, top-k width %d, text rows %s, CFG pairs %s (%.0f ms)", size,
+                    max_top_k, not no_text_rows, guided, (time.perf_counter() - started) * 1e3)
         return graphs

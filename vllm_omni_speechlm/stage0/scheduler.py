@@ -59,6 +59,7 @@ from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
 from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk
+from vllm_omni_speechlm.threads import prompt_thread_switches
 
 logger = init_logger(__name__)
 
@@ -94,6 +95,7 @@ class _PairedCFGMixin:
         self._updating = False  # inside update_from_output
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:
+            prompt_thread_switches()
             self._gate_sends(adapter)
 
     def _gate_sends(self, adapter: Any) -> None:

@@ -109,7 +109,7 @@ class WindowGate:
         if state.emitted == 0:
             window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
         self._sent(state, window, now)
-        return True, (self._take(state) or {}) | {WINDOW_KEY: window}
+        return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
         if not state.emitted:

@@ -119,7 +119,7 @@ def speechlm2codec_async_chunk(
     ended = _buffer_segment_rows(rows, state, multimodal_output, cfg)
     flush = is_finished or ended
     decided = None if flush or not isinstance(multimodal_output, dict) else multimodal_output.get(WINDOW_KEY)
-    window = _next_window(rows, state, settings, cfg, flush, decided)
+    window = _next_window(rows, state, settings, cfg, flush, decided, multimodal_output)
     if ended:  # the next segment's frames start over: no codec context crosses the edge
         rows.clear()
         state["emitted"] = state["base"] = 0
@@ -127,7 +127,7 @@ def speechlm2codec_async_chunk(
 
 
 def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
-                 flush: bool, decided: tuple[int, int] | None) -> Any:
+                 flush: bool, decided: tuple[int, int] | None, handed: Any = None) -> Any:
     """The window due now of the current segment (all of its unsent frames when `flush`; the gate's
     (end, holdback) when `decided`), or None."""
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
@@ -150,7 +150,7 @@ def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict
         CodesStruct(audio=codes.reshape(-1)),
         MetaStruct(left_context_size=left, right_holdback_size=holdback),
         **({RATE_KEY: state["rate"]} if state["rate"] else {}),
-        **stamp(),
+        **stamp(handed),
     )
 
 
