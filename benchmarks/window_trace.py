@@ -8,9 +8,9 @@ Per level (the lines between the level's first request and its end): stage 1's f
 per forward, the interval between forwards, the wait from a window's making in stage 0 to the
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
-steps; how long after its request the API server sent an answer's first bytes; and how late the
-API server's event loop woke (the per-second medians' median, the
-largest).
+steps, the level's first steps (ms, rows, tokens each) and the step time; how long after its
+request the API server sent an answer's first bytes; and how late the API server's event loop
+woke (the per-second medians' median, the largest).
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from pathlib import Path
 LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
 BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
+STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)")
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
+
+
+FIRST_STEPS = 30
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -32,7 +36,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], sends: list[tuple[float, ...]],
-              lags: list[tuple[float, ...]]) -> dict:
+              lags: list[tuple[float, ...]], steps: list[tuple[float, ...]] = ()) -> dict:
     t = [x[0] for x in lines]
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
@@ -40,6 +44,9 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
                          ("decode_ms", [x[5] for x in lines]), ("queue_ms_max", [x[6] for x in lines if x[6] is not None]), ("first_window_ms", [x[1] for x in firsts]),
                          ("first_window_steps", [x[2] for x in firsts]), ("first_bytes_ms", [x[1] for x in sends])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
+    steps = list(steps)[1:]  # the level's first step also waited while the server was idle
+    out["step_ms"] = {"p50": _pct([x[1] for x in steps], 0.5), "p90": _pct([x[1] for x in steps], 0.9)}
+    out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3])] for x in steps[:FIRST_STEPS]]  # ms, rows, tokens
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
     return out
 
@@ -51,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    traces = [[tuple(None if g is None else float(g) for g in m.groups()) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG)]
+    traces = [[tuple(None if g is None else float(g) for g in m.groups()) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG, STEP)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")

@@ -6,7 +6,7 @@ Stage 0's window gate stamps each window's rows with the wall clock it handed th
 (`SENT_KEY`; integers in microseconds, carried like the output rate); stage 1 logs one line per
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
-decode took. Stage 0's window gate logs, per answer, how long after its arrival
+decode took. Stage 0 logs every step: the time since the step before, its rows and tokens. Stage 0's window gate logs, per answer, how long after its arrival
 its first window left. The API server logs, per streamed answer, when its first bytes left, and
 from its first speech request on, once a second how late its event loop woke: the loop that
 streams every answer, whose interpreter lock the thread relaying the stages' outputs
@@ -29,6 +29,7 @@ LINE = "window trace:"
 FIRST_LINE = "first window trace:"
 LAG_LINE = "event loop trace:"
 BYTES_LINE = "first bytes trace:"
+STEP_LINE = "step trace:"
 LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,19 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
     queued = [(sent_us(i) - h) / 1e3 for i in infos if sent_us(i) is not None and (h := sent_us(i, HANDED_KEY)) is not None]
     logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f queue_ms_max=%.1f",
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
+
+
+_last_step = 0.0
+
+
+def log_step(tokens: int, rows: int) -> None:
+    """Stage 0, as a step's output arrives."""
+    global _last_step
+    if ENABLED:
+        now = time.time()
+        if _last_step:
+            logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d", STEP_LINE, now, (now - _last_step) * 1e3, rows, tokens)
+        _last_step = now
 
 
 def log_first_window(arrival_time: float | None, steps: int) -> None:

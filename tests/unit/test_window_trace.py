@@ -117,3 +117,19 @@ def test_a_streamed_answer_logs_when_its_first_bytes_left(monkeypatch, caplog):
     sent = tuple(map(float, BYTES.search(line).groups()))
     assert 115 <= sent[1] < 1000 and Body.closed  # the request's 100 ms and two reads
     assert summarize([], [], [sent], [])["first_bytes_ms"]["p50"] == sent[1]
+
+
+def test_a_step_line_gives_the_time_since_the_step_before(monkeypatch, caplog):
+    from window_trace import STEP, summarize
+
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    monkeypatch.setattr(window_trace, "_last_step", 0.0)
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        for rows in (2, 2, 34):
+            window_trace.log_step(tokens=rows * 3, rows=rows)
+            time.sleep(0.02)
+    steps = [tuple(map(float, STEP.search(r.getMessage()).groups())) for r in caplog.records]
+    assert [s[2:] for s in steps] == [(2, 6), (34, 102)]  # the first step has no step before it
+    assert all(19 <= s[1] < 200 for s in steps)
+    summary = summarize([], [], [], [], steps)  # a level's first step waited while the server was idle
+    assert summary["first_steps"] == [[round(steps[1][1], 1), 34, 102]]

@@ -50,6 +50,7 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARS
 from vllm_omni.engine.serialization import deserialize_additional_information
 from vllm_omni.request import OmniRequest
 
+from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.cfg import companion_id, guided_mode, is_companion, unconditional_prompt
 from vllm_omni_speechlm.compat import gate_chunk_sends
 from vllm_omni_speechlm.config import SpeechLMConfig
@@ -354,6 +355,7 @@ class _PairedCFGMixin:
         runner_outputs = runner_outputs if isinstance(runner_outputs, StepOutputs) else None  # None: per-request payloads
         if self._gate is not None:
             self._gate.tick()
+        window_trace.log_step(scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens))
         self._updating = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
