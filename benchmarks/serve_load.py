@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -54,6 +55,8 @@ from streaming_latency import DELAY_STEPS, SAMPLE_RATE, _pct, device_name, write
 from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 
 PROMPT = "Tell me about the sea."
+# The server's environment that changes what is measured (recorded in the settings).
+SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "SPEECHLM_GIL_SWITCH_INTERVAL_S", "VLLM_OMNI_EVENT_DRIVEN_ORCH")
 BUFFER_S = 0.2
 STALL_FREE_S = 1e-3
 FIRST_CHUNKS = 12
@@ -346,7 +349,8 @@ def main() -> None:
         "benchmark": "serve_load", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
         "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploys,
-                                  "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S},
+                                  "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S,
+                                  "env": {k: v for k, v in os.environ.items() if k in SERVER_ENV}},
         "first_requests": {}, "speech": {}, "text": {}, "failed": {},
     }
 
