@@ -56,7 +56,7 @@ from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 
 PROMPT = "Tell me about the sea."
 # The server's environment that changes what is measured (recorded in the settings).
-SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "SPEECHLM_GIL_SWITCH_INTERVAL_S", "VLLM_OMNI_EVENT_DRIVEN_ORCH")
+SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH")
 BUFFER_S = 0.2
 STALL_FREE_S = 1e-3
 FIRST_CHUNKS = 12

@@ -17,7 +17,6 @@ def register() -> None:
     (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
     from vllm_omni_speechlm import compat, serving
     from vllm_omni_speechlm.deploy_checks import check_deploy_devices
-    from vllm_omni_speechlm.threads import prompt_thread_switches
 
     compat.check_versions()
     register_speech_lms()
@@ -25,7 +24,6 @@ def register() -> None:
     serving.register()
     if ENGINE_MODULE in sys.modules:  # the process that starts the stages (API server, offline driver)
         compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)
-        prompt_thread_switches()  # its event loop and vllm-omni's orchestrator thread pass every request on
     extra = os.environ.get(EXTRA_PLUGIN_ENV)
     if extra:
         importlib.import_module(extra).register()

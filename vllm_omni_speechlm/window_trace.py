@@ -6,7 +6,8 @@ Stage 0's window gate stamps each window's rows with the wall clock it handed th
 (`SENT_KEY`; integers in microseconds, carried like the output rate); stage 1 logs one line per
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
-decode took. Stage 0 logs every step: the time since the step before, its rows and tokens. Stage 0's window gate logs, per answer, how long after its arrival
+decode took. Stage 0 logs every step (the time since the step before, its rows and tokens) and
+each request as its scheduler takes it in (the time since its arrival in the API server). Stage 0's window gate logs, per answer, how long after its arrival
 its first window left. The API server logs, per streamed answer, when its first bytes left, and
 from its first speech request on, once a second how late its event loop woke: the loop that
 streams every answer, whose interpreter lock the thread relaying the stages' outputs
@@ -30,6 +31,7 @@ FIRST_LINE = "first window trace:"
 LAG_LINE = "event loop trace:"
 BYTES_LINE = "first bytes trace:"
 STEP_LINE = "step trace:"
+ADMIT_LINE = "admit trace:"
 LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,14 @@ def log_step(tokens: int, rows: int) -> None:
         if _last_step:
             logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d", STEP_LINE, now, (now - _last_step) * 1e3, rows, tokens)
         _last_step = now
+
+
+def log_admitted(arrival_time: float | None, started: float) -> None:
+    """Stage 0's scheduler, once it took a request in (from `started`, time.perf_counter())."""
+    if ENABLED and arrival_time:
+        now = time.time()
+        logger.info("%s t=%.3f since_arrival_ms=%.1f add_ms=%.2f", ADMIT_LINE, now, (now - arrival_time) * 1e3,
+                    (time.perf_counter() - started) * 1e3)
 
 
 def log_first_window(arrival_time: float | None, steps: int) -> None:

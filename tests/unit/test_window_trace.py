@@ -4,6 +4,7 @@ stage 1's line parses in benchmarks/window_trace.py and gives each window's wait
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -133,3 +134,13 @@ def test_a_step_line_gives_the_time_since_the_step_before(monkeypatch, caplog):
     assert all(19 <= s[1] < 200 for s in steps)
     summary = summarize([], [], [], [], steps)  # a level's first step waited while the server was idle
     assert summary["first_steps"] == [[round(steps[1][1], 1), 34, 102]]
+
+
+def test_an_admit_line_gives_the_time_since_arrival_and_the_scheduler_work(monkeypatch, caplog):
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        window_trace.log_admitted(time.time() - 0.3, started=time.perf_counter() - 0.002)
+        window_trace.log_admitted(None, started=time.perf_counter())  # no arrival time: nothing to say
+    [line] = [r.getMessage() for r in caplog.records]
+    since, added = (float(x) for x in re.search(r"since_arrival_ms=([\d.]+) add_ms=([\d.]+)", line).groups())
+    assert line.startswith(window_trace.ADMIT_LINE) and 295 < since < 400 and 1.9 < added < 100

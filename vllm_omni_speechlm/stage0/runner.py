@@ -41,7 +41,6 @@ from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 from vllm_omni_speechlm.compat import drop_sampler_jit_warmup, without_kernel_warmup
 from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
-from vllm_omni_speechlm.threads import prompt_thread_switches
 
 logger = init_logger(__name__)
 
@@ -158,10 +157,6 @@ class SpeechLMARWorker(SamplerFreeWarmupMixin, GPUARWorker):
 
 class CodecStageWorker(SamplerFreeWarmupMixin, GPUGenerationWorker):
     """vllm-omni's GPU generation worker for the codec stage (deploy YAMLs: stage 1 `worker_cls`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        prompt_thread_switches()  # the engine process's receive thread (one process: a codec has no TP)
-        super().__init__(*args, **kwargs)
 
     def compile_or_warm_up_model(self) -> Any:
         # The codec runs PyTorch's own kernels only (no attention, KV cache or sampling): vLLM's JIT

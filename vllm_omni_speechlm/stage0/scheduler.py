@@ -60,7 +60,6 @@ from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
 from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk
-from vllm_omni_speechlm.threads import prompt_thread_switches
 
 logger = init_logger(__name__)
 
@@ -96,7 +95,6 @@ class _PairedCFGMixin:
         self._updating = False  # inside update_from_output
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:
-            prompt_thread_switches()
             self._gate_sends(adapter)
 
     def _gate_sends(self, adapter: Any) -> None:
@@ -116,13 +114,14 @@ class _PairedCFGMixin:
 
     # ---- arrival and guided segments --------------------------------------------------------
     def add_request(self, request: Any) -> None:
+        started = time.perf_counter()
         super().add_request(request)
         mode = self._guided_mode(request)
-        if mode is None:
-            return
-        self._guided[request.request_id] = mode
-        if enforced_kind(mode, 0) == RowKind.FORCE_AUDIO:  # opens with a guided segment: pair from arrival
-            self._add_companion(request, request.num_prompt_tokens, None, first_row=1)
+        if mode is not None:
+            self._guided[request.request_id] = mode
+            if enforced_kind(mode, 0) == RowKind.FORCE_AUDIO:  # opens with a guided segment: pair from arrival
+                self._add_companion(request, request.num_prompt_tokens, None, first_row=1)
+        window_trace.log_admitted(getattr(request, "arrival_time", None), started)
 
     def _guided_mode(self, request: Any) -> OutputMode | None:
         payload = getattr(request, "additional_information", None)
