@@ -7,6 +7,7 @@ holds back 10 frames of lookahead (the codec's reach), so the only difference is
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -380,3 +381,28 @@ def test_traced_windows_carry_when_the_gate_handed_them_over(tiny_bagpiper, long
     stamps = [(getattr(p, window_trace.HANDED_KEY, None), getattr(p, window_trace.SENT_KEY, None)) for p in payloads]
     decided = stamps[:-1]  # the last is the flush at finish, which the gate hands over undecided
     assert decided and all(handed is not None and 0 <= sent - handed < 10_000_000 for handed, sent in decided)
+
+
+@pytest.mark.parametrize("modality, rows, reported", [("audio", "text", True), ("audio", "audio", False), ("text", "text", False)])
+def test_an_answer_that_had_to_speak_and_did_not_is_reported(tiny_bagpiper, long_clip, caplog, modality, rows, reported):
+    """The gate warns, with the stream-0 tokens, when an answer whose modality enforces audio ends
+    without one audio row."""
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings
+
+    cfg = SpeechLMConfig.from_model_dir(tiny_bagpiper)
+    gate = WindowGate(cfg, chunk_settings(TransferManager(tiny_bagpiper)))
+    tokens = long_clip.tokens[:40].clone()
+    if rows == "text":
+        tokens[:, 0] = cfg.streams[0].vocab_start - 1  # not a codec code
+    info = SpeechSamplingParams(modality=modality).to_info()
+    request = SimpleNamespace(external_req_id="r0", additional_information=info, output_token_ids=[])
+    with caplog.at_level(logging.WARNING):
+        for i, row in enumerate(tokens):
+            request.output_token_ids.append(int(row[0]))
+            gate.offer(request, {"codes": {"audio": row[None]}}, i == len(tokens) - 1)
+    warned = [r.getMessage() for r in caplog.records if "asked for audio and ended without any" in r.getMessage()]
+    assert len(warned) == reported and len(gate) == 0
+    if reported:
+        assert "after 40 rows" in warned[0] and str(int(tokens[0, 0])) in warned[0]

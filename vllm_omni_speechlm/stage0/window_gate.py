@@ -24,13 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 from vllm_omni.data_entry_keys import unflatten_payload
 from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
 from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
     MIN_HOLDBACK_KEY,
     WINDOW_KEY,
@@ -40,10 +43,14 @@ from vllm_omni_speechlm.streaming import (
     requested_first_window,
 )
 
+logger = init_logger(__name__)
+
 
 @dataclass
 class _GateState:
     own_first_chunk: int | None  # the request's own first window
+    wants_audio: bool  # the answer's modality enforces an audio segment
+    spoke: bool = False  # an audio row was seen
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
     paced: bool = False  # the segment's windows are paced (decided at its first window)
@@ -81,7 +88,7 @@ class WindowGate:
         ext_id = request.external_req_id
         state = self._open.get(ext_id)
         if state is None:
-            state = self._open[ext_id] = _GateState(self._own_first_window(request))
+            state = self._open[ext_id] = _GateState(*self._request_options(request))
         if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
             multimodal_output = unflatten_payload(multimodal_output)
         rows = frame_rows(multimodal_output, self.cfg.num_streams)
@@ -94,6 +101,7 @@ class WindowGate:
                 ended = self._count_segment_rows(state, request.output_token_ids[-rows.shape[0] :])
         if is_finished:
             del self._open[ext_id]
+            self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
         now = self.clock() if self.pacer is not None else 0.0  # the fixed ramp reads no clock
@@ -112,6 +120,7 @@ class WindowGate:
         return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
+        state.spoke = True
         if not state.emitted:
             state.paced = self._paces()
         if state.paced:  # the listener plays from the first window, pausing when dry
@@ -125,18 +134,37 @@ class WindowGate:
         for token in stream0:
             if token in self._codes:
                 state.audio += 1
+                state.spoke = True
             elif state.audio:
                 state.audio = state.emitted = 0
                 state.paced = False
                 ended = True
         return ended
 
-    def _own_first_window(self, request: Any) -> int | None:
+    def _request_options(self, request: Any) -> tuple[int | None, bool]:
+        """(its own first window, whether its modality enforces audio)."""
         info = deserialize_additional_information(getattr(request, "additional_information", None))
         try:
-            return requested_first_window(info)
+            first = requested_first_window(info)
         except ValueError:  # the processor reports the bad value; any size does here
-            return 1
+            first = 1
+        try:
+            modality = SpeechSamplingParams.from_info(info).resolve(self.cfg).modality
+        except (TypeError, ValueError):  # the model rejects the request itself
+            modality = OutputMode.AUTO
+        return first, modality in (OutputMode.AUDIO, OutputMode.TEXT_AUDIO)
+
+    def _warn_if_silent(self, request: Any, state: _GateState) -> None:
+        """An answer that had to speak and ends without one audio frame is an error somewhere:
+        say so, with the stream-0 tokens it wrote."""
+        if not state.wants_audio or state.spoke or state.audio:
+            return
+        new = torch.cat(state.pending)[-state.unclassified :] if state.unclassified else None
+        if new is not None and bool(audio_rows(new, self.cfg).any()):
+            return
+        ids = list(request.output_token_ids)
+        logger.warning("stage 0: answer %s asked for audio and ended without any after %d rows; stream 0 began %s, "
+                       "ended %s", request.external_req_id, len(ids), ids[:12], ids[-12:])
 
     def _due(self, state: _GateState, num_audio_rows: int, now: float) -> tuple[int, int] | None:
         """(end, holdback) of the window due with these rows, or None."""
