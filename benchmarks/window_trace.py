@@ -21,18 +21,21 @@ import re
 import statistics
 from pathlib import Path
 
-LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")
+LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_min=([-\d.]+) wait_ms_max=([-\d.]+) "
+                  r"decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")  # older logs have no queue_ms_max
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
 BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
 STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)")
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
-
-
 FIRST_STEPS = 30
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else (values[0] if values else None)
+
+
+def _values(match: re.Match) -> tuple[float | None, ...]:
+    return tuple(None if g is None else float(g) for g in match.groups())
 
 
 def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], sends: list[tuple[float, ...]],
@@ -41,8 +44,9 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
     for name, values in (("interval_ms", [g * 1e3 for g in gaps]), ("wait_ms_max", [x[4] for x in lines]),
-                         ("decode_ms", [x[5] for x in lines]), ("queue_ms_max", [x[6] for x in lines if x[6] is not None]), ("first_window_ms", [x[1] for x in firsts]),
-                         ("first_window_steps", [x[2] for x in firsts]), ("first_bytes_ms", [x[1] for x in sends])):
+                         ("decode_ms", [x[5] for x in lines]), ("queue_ms_max", [x[6] for x in lines if x[6] is not None]),
+                         ("first_window_ms", [x[1] for x in firsts]), ("first_window_steps", [x[2] for x in firsts]),
+                         ("first_bytes_ms", [x[1] for x in sends])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     steps = list(steps)[1:]  # the level's first step also waited while the server was idle
     out["step_ms"] = {"p50": _pct([x[1] for x in steps], 0.5), "p90": _pct([x[1] for x in steps], 0.9)}
@@ -58,7 +62,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    traces = [[tuple(None if g is None else float(g) for g in m.groups()) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG, STEP)]
+    traces = [[_values(m) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG, STEP)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")

@@ -3,15 +3,15 @@ server's environment; off by default, and then nothing is added to a window or l
 
 Stage 0's window gate stamps each window's rows with the wall clock it handed them over at
 (`HANDED_KEY`), and the processor, on the adapter's save thread, the window with the time it cut it
-(`SENT_KEY`; integers in microseconds, carried like the output rate); stage 1 logs one line per
+(`SENT_KEY`; integers in microseconds, carried like the output rate). Stage 1 logs one line per
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
-decode took. Stage 0 logs every step (the time since the step before, its rows and tokens) and
-each request as its scheduler takes it in (the time since its arrival in the API server). Stage 0's window gate logs, per answer, how long after its arrival
-its first window left. The API server logs, per streamed answer, when its first bytes left, and
-from its first speech request on, once a second how late its event loop woke: the loop that
-streams every answer, whose interpreter lock the thread relaying the stages' outputs
-(vllm-omni's orchestrator) shares.
+decode took. Stage 0 logs every step (the time since the step before, its rows and tokens), each
+request as its scheduler takes it in (the time since its arrival in the API server) and, per
+answer, how long after its arrival its first window left. The API server logs when each streamed
+answer's first bytes left and, from its first speech request on, once a second how late its event
+loop woke: the loop that streams every answer, whose interpreter lock the thread relaying the
+stages' outputs (vllm-omni's orchestrator) shares.
 `benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 
@@ -41,12 +41,12 @@ def handed() -> dict[str, int]:
     return {HANDED_KEY: time.time_ns() // 1000} if ENABLED else {}
 
 
-def stamp(rows: Any = None) -> dict[str, int]:
-    """A window's extra information: when it was cut, and when the gate handed its `rows` over
-    ({} when tracing is off)."""
+def stamp(payload: Any = None) -> dict[str, int]:
+    """A window's extra information: when it was cut, and when the gate handed its rows over (the
+    gate's `payload`) ({} when tracing is off)."""
     if not ENABLED:
         return {}
-    at = rows.get(HANDED_KEY) if isinstance(rows, dict) else None
+    at = payload.get(HANDED_KEY) if isinstance(payload, dict) else None
     return {SENT_KEY: time.time_ns() // 1000} | ({HANDED_KEY: at} if at is not None else {})
 
 
@@ -64,7 +64,8 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
         return
     done = time.time()
     waits = sorted(started * 1e3 - s / 1e3 for s in sent)
-    queued = [(sent_us(i) - h) / 1e3 for i in infos if sent_us(i) is not None and (h := sent_us(i, HANDED_KEY)) is not None]
+    handed_sent = [(sent_us(i, HANDED_KEY), sent_us(i)) for i in infos]
+    queued = [(s - h) / 1e3 for h, s in handed_sent if h is not None and s is not None]
     logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f queue_ms_max=%.1f",
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
 

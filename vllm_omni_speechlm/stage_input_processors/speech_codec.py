@@ -127,9 +127,9 @@ def speechlm2codec_async_chunk(
 
 
 def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
-                 flush: bool, decided: tuple[int, int] | None, handed: Any = None) -> Any:
+                 flush: bool, decided: tuple[int, int] | None, payload: Any = None) -> Any:
     """The window due now of the current segment (all of its unsent frames when `flush`; the gate's
-    (end, holdback) when `decided`), or None."""
+    (end, holdback) when `decided`), or None. `payload`: the gate's, for the window trace."""
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
 
     emitted = state["emitted"]
@@ -150,7 +150,7 @@ def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict
         CodesStruct(audio=codes.reshape(-1)),
         MetaStruct(left_context_size=left, right_holdback_size=holdback),
         **({RATE_KEY: state["rate"]} if state["rate"] else {}),
-        **stamp(handed),
+        **stamp(payload),
     )
 
 
