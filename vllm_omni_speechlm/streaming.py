@@ -20,6 +20,10 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       first window leaves while a stage-0 step takes at most this
                                       long (a GPU with slack), else it takes the fixed ramp with
                                       the full lookahead; 0: paced while faster than real time
+    codec_queued_windows              int >= 0: while this many of a request's windows wait to be
+                                      cut on stage 0's save thread, its next window waits too, up
+                                      to a full chunk: a burst's ramp windows merge instead of
+                                      queuing one by one (0: no bound)
 Any other `codec_*` key is a typo and is rejected. A request may set its own first window
 (`INITIAL_CHUNK_KEY` in its prompt's additional information, at most MAX_INITIAL_CHUNK_FRAMES).
 """
@@ -37,6 +41,7 @@ WINDOW_DEFAULTS = {
     "codec_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (every window exact)
     "codec_playout_margin_steps": 0,  # 0: the fixed ramp
     "codec_paced_max_step_ms": 0,  # 0: paced while faster than real time
+    "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
@@ -133,13 +138,14 @@ def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, 
     lookahead. After a small first window the windows ramp up: each brings as many new frames as
     all earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
     client's buffered audio then doubles per window, so a fast first window does not leave a gap
-    before the second one while generation runs at least twice as fast as real time."""
+    before the second one while generation runs at least twice as fast as real time. A window that
+    waited (`codec_queued_windows`) takes every frame ready, up to codec_chunk_frames."""
     if is_finished:
         holdback = 0
     else:
         holdback = settings[MIN_HOLDBACK_KEY] if emitted == 0 else settings["codec_right_holdback_frames"]
-    end = total - holdback
     chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], max(first_chunk, emitted))
+    end = total - holdback if is_finished else min(total - holdback, emitted + max(chunk, settings["codec_chunk_frames"]))
     if end - emitted <= 0 or (not is_finished and end - emitted < chunk):
         return None
     return end, holdback

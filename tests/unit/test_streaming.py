@@ -137,3 +137,11 @@ def test_a_bound_on_the_step_paces_only_while_the_step_is_short():
         pacer.tick(t)
     assert pacer.pace_ms > 8 and not pacer.paces
     assert pacer.first_chunk(1) == 1  # the fixed ramp's
+
+
+def test_a_window_that_waited_takes_the_frames_ready_up_to_a_full_chunk():
+    settings = window_settings({"initial_codec_chunk_frames": 2})
+    assert next_window(70, 4, 2, settings, False) == (4 + 25, 10)  # 56 ready: a full chunk
+    assert next_window(22, 4, 2, settings, False) == (12, 10)  # 8 ready: all of them
+    assert next_window(150, 0, 100, settings, False) == (100, 10)  # a request's own larger first window
+    assert next_window(70, 4, 2, settings, True) == (70, 0)  # the finish flushes everything

@@ -41,6 +41,7 @@ main's token for both).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -59,7 +60,7 @@ from vllm_omni_speechlm.frames import StepOutputs
 from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
-from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk
+from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk, windows_taken
 
 logger = init_logger(__name__)
 
@@ -101,7 +102,7 @@ class _PairedCFGMixin:
         """Companions send nothing downstream; with the speech-codec processor, a main request's
         step reaches the adapter only when it completes a window (`WindowGate`)."""
         if adapter.custom_process_next_stage_input_func is speechlm2codec_async_chunk:
-            self._gate = WindowGate(self.speech, chunk_settings(adapter))
+            self._gate = WindowGate(self.speech, chunk_settings(adapter), taken=functools.partial(windows_taken, adapter))
             logger.info("stage-0 chunk sends: only window-completing steps reach the adapter (WindowGate)")
         gate_chunk_sends(adapter, self._offer_chunk)
 

@@ -51,6 +51,7 @@ class _GateState:
     own_first_chunk: int | None  # the request's own first window
     wants_audio: bool  # the answer's modality enforces an audio segment
     spoke: bool = False  # an audio row was seen
+    handed: int = 0  # windows the gate decided and handed over
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
     paced: bool = False  # the segment's windows are paced (decided at its first window)
@@ -63,8 +64,11 @@ class _GateState:
 class WindowGate:
     """Per request, the step rows not handed to the adapter yet (module docstring)."""
 
-    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int], clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self.settings, self.clock = cfg, settings, clock
+    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int], clock: Callable[[], float] = time.monotonic,
+                 taken: Callable[[str], int] | None = None) -> None:
+        """`taken(ext_id)`: the request's windows the processor has taken so far (with
+        `codec_queued_windows`: the rest still wait on the save thread)."""
+        self.cfg, self.settings, self.clock, self.taken = cfg, settings, clock, taken
         self._open: dict[str, _GateState] = {}
         paced = settings["codec_playout_margin_steps"] > 0
         self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
@@ -112,14 +116,24 @@ class WindowGate:
             state.audio += int(audio_rows(new, self.cfg).sum())
             state.unclassified = 0
         window = self._due(state, state.audio, now)
-        if window is None:
+        if window is None or self._held(ext_id, state, window):
             return False, None
         if state.emitted == 0:
             window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
         self._sent(state, window, now)
         return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
+    def _held(self, ext_id: str, state: _GateState, window: tuple[int, int]) -> bool:
+        """Whether a due window waits: `codec_queued_windows` of the request's windows are still on
+        the save thread and this one is short of a full chunk (it grows meanwhile: fewer, larger
+        windows while the save thread is behind)."""
+        limit = self.settings["codec_queued_windows"]
+        if not limit or self.taken is None or not state.emitted:
+            return False
+        return state.handed - self.taken(ext_id) >= limit and window[0] - state.emitted < self.settings["codec_chunk_frames"]
+
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
+        state.handed += 1
         state.spoke = True
         if not state.emitted:
             state.paced = self._paces()
