@@ -5,10 +5,9 @@ vllm-omni engines in this process, CPU), `server` (`vllm serve` driven over HTTP
 runs all; `make test PYTEST_ARGS="-m unit"` one tier.
 """
 
-import collections
 import functools
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -335,7 +334,7 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     now = [0.0]
     gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm),
                       clock=lambda: now[0], taken=functools.partial(speech_codec.windows_taken, tm)) if gated else None
-    sent, queue = [], collections.deque()  # queue: (step due, payload, finished) on the save thread
+    sent, queue = [], deque()  # queue: (step due, payload, finished) on the save thread
 
     def save_thread(step: int) -> None:
         while queue and queue[0][0] <= step:

@@ -59,13 +59,13 @@ def sent_us(info: Any, key: str = SENT_KEY) -> int | None:
 
 def log_forward(infos: list[dict], started: float, frames: int) -> None:
     """Stage 1, after a forward that began at `started` (time.time()) and decoded `frames`."""
-    sent = [s for s in map(sent_us, infos) if s is not None]
-    if not sent:
+    stamps = [(s, sent_us(i, HANDED_KEY)) for i in infos if (s := sent_us(i)) is not None]
+    if not stamps:
         return
     done = time.time()
+    sent = [s for s, _ in stamps]
     waits = sorted(started * 1e3 - s / 1e3 for s in sent)
-    handed_sent = [(sent_us(i, HANDED_KEY), sent_us(i)) for i in infos]
-    queued = [(s - h) / 1e3 for h, s in handed_sent if h is not None and s is not None]
+    queued = [(s - h) / 1e3 for s, h in stamps if h is not None]
     logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f queue_ms_max=%.1f",
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
 

@@ -50,7 +50,7 @@ logger = init_logger(__name__)
 class _GateState:
     own_first_chunk: int | None  # the request's own first window
     wants_audio: bool  # the answer's modality enforces an audio segment
-    spoke: bool = False  # an audio row was seen
+    spoke: bool = False  # an audio row was seen (parallel rules: `audio` restarts at each segment)
     handed: int = 0  # windows the gate decided and handed over
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
@@ -134,7 +134,6 @@ class WindowGate:
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
         state.handed += 1
-        state.spoke = True
         if not state.emitted:
             state.paced = self._paces()
         if state.paced:  # the listener plays from the first window, pausing when dry
