@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import statistics
@@ -56,7 +57,7 @@ from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 
 PROMPT = "Tell me about the sea."
 # The server's environment that changes what is measured (recorded in the settings).
-SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH")
+SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH", "SPEECHLM_STACK_SAMPLES", "SPEECHLM_TRACE_LAUNCHERS")
 BUFFER_S = 0.2
 STALL_FREE_S = 1e-3
 FIRST_CHUNKS = 12
@@ -278,7 +279,8 @@ def measure(url: str, levels: list[str], request, summary, report: dict, save) -
     for level in levels:
         before = scrape(url)
         try:
-            stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
+            with sampled_phase(level):
+                stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
         except ServerDown as e:
             report[level] = {"server_down": str(e)}
             save()
@@ -287,6 +289,20 @@ def measure(url: str, levels: list[str], request, summary, report: dict, save) -
         report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
         print(level, json.dumps({k: v for k, v in report[level].items() if k not in ("error_samples", "first_chunks")}), flush=True)
+
+
+@contextlib.contextmanager
+def sampled_phase(level: str):
+    """Names the level in the stack samplers' phase file while it runs (`stack_sampler/`), if set."""
+    folder = os.environ.get("SPEECHLM_STACK_SAMPLES")
+    phase = Path(folder or ".", "phase")
+    if folder:
+        phase.write_text(level)
+    try:
+        yield
+    finally:
+        if folder:
+            phase.unlink(missing_ok=True)
 
 
 def level_names(levels: list[int], cfgs: list[float | None]) -> dict[str, float | None]:
