@@ -66,7 +66,9 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     out = tmp_path / "serve_load.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--tiny", "--out", str(out),
            "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30"]
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "VLLM_OMNI_EVENT_DRIVEN_ORCH": "0"}
+    samples = tmp_path / "stacks"  # every process sampled while a level runs (benchmarks/stack_sampler)
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "VLLM_OMNI_EVENT_DRIVEN_ORCH": "0", "SPEECHLM_STACK_SAMPLES": str(samples),
+                        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -83,3 +85,10 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     assert speech["server"]["steps[0]"] >= 30 and speech["server"]["tokens_per_step[0]"] > 1
     assert speech["server"]["steps[1]"] > 0 and speech["server"]["step_s[0]"] > 0
     assert text["server"]["steps"] >= 30 and report["first_requests"]["speech"]["errors"] == 0
+    # The level's samples: some process stepped the speech LM (stage 0's worker) while it ran.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from stack_samples import summarize
+
+    stepping = [p for p, phases in summarize(samples, top=200, min_samples=1).items()
+                if any("execute_model" in label for t in phases.get("2", {}).values() for label, _ in t["inclusive"])]
+    assert stepping and not (samples / "phase").exists(), sorted(summarize(samples, min_samples=1))
