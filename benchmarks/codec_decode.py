@@ -3,6 +3,7 @@ the streaming path; the user's numbers come from serve_load.py).
 
     python benchmarks/codec_decode.py --out results.json          # GPU: the released X-Codec geometry
     python benchmarks/codec_decode.py --tiny --out /tmp/cd.json   # CPU smoke run
+    python benchmarks/codec_decode.py --graphs --out results.json # GPU: eager against CUDA graphs
 
 `SpeechLMCodecDecoder.decode_windows` (what the stage's forward calls) on B windows at once, timed
 with the device synchronized, median of --repeats after 3 warm-up calls; also the first call's
@@ -12,7 +13,9 @@ context 25, holdback 10): "T=12" (a first window) ... "T=60" (a full window), al
 and "ramp": B windows spread over the six lengths, as one step with answers at different points
 gives. The stage decodes them at its shape buckets (`models/codec_stage.py`: 16-frame multiples,
 bucketed batches), as it does when serving. Per case: ms per step, windows per second, and new audio
-seconds decoded per wall second.
+seconds decoded per wall second. With --graphs, each case also runs on the stage's decode graphs
+(`models/codec_graphs.py`, recorded for the shipped YAML's shapes first): `graphs_ms_per_step` and
+the largest difference of any audio sample from the eager decode (`graphs_max_abs_diff`).
 """
 
 from __future__ import annotations
@@ -68,13 +71,20 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny codec on CPU")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--graphs", action="store_true", help="also on the decode graphs (CUDA), against eager")
     args = ap.parse_args()
     from vllm_omni_speechlm.models.codec_stage import SpeechLMCodecDecoder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    decoder = SpeechLMCodecDecoder.from_model_dir(write_checkpoint(tempfile.mkdtemp(prefix="codec-decode-"), args.tiny), device)
+    model_dir = write_checkpoint(tempfile.mkdtemp(prefix="codec-decode-"), args.tiny)
+    decoder = SpeechLMCodecDecoder.from_model_dir(model_dir, device)
     q, codebook = decoder.num_quantizers, decoder.codec.config.codebook_size
+    graphed = None
+    if args.graphs:
+        graphed = SpeechLMCodecDecoder.from_model_dir(model_dir, device, graphs=True)
+        with torch.inference_mode():  # the shipped YAML's shapes: 256 windows of <= 60 frames, 32768 codes a step
+            graphed.warm_up(max(args.batch), 60, 32768)
     cases = {f"T={left + new + HOLDBACK}": [(left, new)] for left, new in RAMP} | {"ramp": RAMP}
     report = {"benchmark": "codec_decode", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
               "settings": vars(args), "results": {}}
@@ -86,6 +96,11 @@ def main() -> None:
                 new_audio = sum(new for _, new in (lengths[i % len(lengths)] for i in range(batch))) / FRAME_RATE
                 report["results"][f"{name} B={batch}"] = {
                     "ms_per_step": seconds * 1e3, "first_call_ms": first * 1e3, "windows_per_s": batch / seconds, "audio_s_per_wall_s": new_audio / seconds}
+                if graphed is not None:
+                    _, graph_s = time_step(graphed, codes, infos, args.repeats, sync)
+                    diff = max(float((a - b).abs().max()) for a, b in zip(decoder.decode_windows(codes, infos),
+                                                                       graphed.decode_windows(codes, infos)) if a.numel())
+                    report["results"][f"{name} B={batch}"] |= {"graphs_ms_per_step": graph_s * 1e3, "graphs_max_abs_diff": diff}
                 print(f"{name} B={batch}", json.dumps(report["results"][f"{name} B={batch}"]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 

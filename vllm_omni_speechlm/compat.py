@@ -147,6 +147,12 @@ HOOKS = (
     Hook("vllm.model_executor.warmup.jit_warmup", "jit_warmup_registry", "attribute"),  # set on runners
     Hook("vllm.model_executor.warmup.jit_warmup:JitWarmupRegistry", "_registrations", "attribute"),
     Hook("vllm.v1.sample.ops.topk_topp_sampler", "compiled_random_sample", "call", "logits"),  # CPU worker
+    # the first launch of the slot-mapping kernel at start-up (launch_slot_mapping_kernel)
+    Hook("vllm.v1.worker.block_table:MultiGroupBlockTable", "compute_slot_mapping", "call",
+         "self, num_reqs, query_start_loc, positions"),
+    Hook(_RUNNER, "input_batch", "attribute"),
+    Hook(_RUNNER, "query_start_loc", "attribute"),
+    Hook(_RUNNER, "positions", "attribute"),
     # audio input through vLLM's multimodal processing (models/audio_processor.py, models/bagpiper.py)
     Hook(_MM_PROC, "_get_mm_fields_config", "override", "self, hf_inputs, hf_processor_mm_kwargs"),
     Hook(_MM_PROC, "_get_prompt_updates", "override", "self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs"),
@@ -427,6 +433,18 @@ def drop_sampler_jit_warmup(model_runner: Any) -> list[str]:
     for kernel in dropped:
         del kernels[kernel]
     return [getattr(k, "__name__", type(k).__name__) for k in dropped]
+
+
+def launch_slot_mapping_kernel(model_runner: Any) -> None:
+    """Launch vLLM's slot-mapping kernel once for one request and for two, as every step does in
+    `_prepare_inputs`. vLLM's JIT warm-up compiles its Triton kernels without launching them
+    (Triton's `warmup`), so the first request launched it first: it built the kernel's launcher
+    (0.2 s of gcc on a fresh host) and loaded it, on that request's time. The mapping written here
+    is overwritten by the first step."""
+    block_table = model_runner.input_batch.block_table
+    for num_reqs in (1, 2):
+        block_table.compute_slot_mapping(num_reqs, model_runner.query_start_loc.gpu[: num_reqs + 1],
+                                         model_runner.positions[: 2 * num_reqs])
 
 
 def compile_cpu_random_sample(vocab_size: int) -> None:

@@ -96,3 +96,21 @@ def test_a_step_padded_past_its_windows_decodes_the_windows(stage):
         want = stage.decode_windows([w.reshape(-1) for w in windows], infos)
     for got, expected in zip(out.multimodal_outputs["model_outputs"], want):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(tmp_path):
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    make_tiny("bagpiper", tmp_path, seed=0)
+    eager = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda")
+    graphed = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda", graphs=True)
+    with torch.inference_mode():
+        graphed.warm_up(4, 30, 4096)
+        q = eager.num_quantizers
+        for frames, holdback in ((30, 10), (12, 0)):  # a bucketed window; a clip's end at its own length
+            codes = [torch.randint(0, eager.codec.config.codebook_size, (frames * q,), device="cuda") for _ in range(3)]
+            infos = [{"meta": {"left_context_size": 0, "right_holdback_size": holdback}}] * 3
+            for a, b in zip(eager.decode_windows(codes, infos), graphed.decode_windows(codes, infos)):
+                torch.testing.assert_close(a, b)
+    assert len(graphed._graphs) == 6

@@ -11,8 +11,10 @@ import pytest
 import yaml
 from vllm.model_executor.warmup import kernel_warmup
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+from vllm.model_executor.warmup.jit_warmup_triton_helper import VllmTritonJitKernel
 from vllm.v1.sample.ops import topk_topp_triton
 from vllm.v1.worker.block_table import _COMPUTE_SLOT_MAPPING_KERNEL
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_omni_speechlm import stage_configs
@@ -123,7 +125,7 @@ def test_vllm_warms_up_the_runner_registry_the_workers_prune():
     source = inspect.getsource(kernel_warmup.kernel_warmup)
     assert "worker.model_runner.jit_warmup_registry" in source and "registry.warmup()" in source
     assert isinstance(JitWarmupRegistry(vllm_config=None)._registrations, dict)
-    assert SpeechLMARWorker.compile_or_warm_up_model is SamplerFreeWarmupMixin.compile_or_warm_up_model
+    assert "super().compile_or_warm_up_model()" in inspect.getsource(SpeechLMARWorker.compile_or_warm_up_model)
     for worker in (SpeechLMARWorker, CodecStageWorker):
         assert worker.__mro__.index(SamplerFreeWarmupMixin) < worker.__mro__.index(Worker)
 
@@ -251,3 +253,24 @@ def test_a_window_payloads_extra_key_reaches_the_next_stage():
     info = request.additional_information
     assert info["output_sample_rate"] == 8000 and info["meta"]["left_context_size"] == 2
     assert request.prompt_token_ids == list(range(16))
+
+
+def test_the_slot_mapping_kernel_is_launched_as_a_step_launches_it():
+    """`launch_slot_mapping_kernel` reaches vLLM's slot-mapping kernel through the runner's block
+    table and buffers, as `_prepare_inputs` does: here vLLM's CPU kernel (what its CPU runner puts
+    in place of Triton's) maps the buffers' two requests of two tokens each."""
+    import torch
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    CPUModelRunner._postprocess_triton(None)  # vLLM's CPU slot-mapping kernel, as its CPU runner sets it
+    table = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=8, pin_memory=False, device=torch.device("cpu"),
+                                 block_sizes=[16], kernel_block_sizes=[16], max_num_blocks=[4])
+    table.block_tables[0].block_table.gpu[:2, 0] = torch.tensor([3, 5], dtype=torch.int32)  # request i's first block
+    runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=table),
+                             query_start_loc=SimpleNamespace(gpu=torch.tensor([0, 2, 4], dtype=torch.int32)),
+                             positions=torch.tensor([0, 1, 7, 8], dtype=torch.int64))
+    compat.launch_slot_mapping_kernel(runner)
+    assert table.block_tables[0].slot_mapping.gpu[:4].tolist() == [48, 49, 87, 88]  # block * 16 + position
+    assert "self.input_batch.block_table.compute_slot_mapping(" in inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert "warmup(grid=(1,)" in inspect.getsource(VllmTritonJitKernel.launch)  # compiled, never launched

@@ -37,7 +37,8 @@ from torch import nn
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.codec import load_codec_decoder
-from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.config import CODEC_GRAPHS_KEY, SpeechLMConfig
+from vllm_omni_speechlm.models.codec_graphs import DecodeGraphs
 from vllm_omni_speechlm.resample import requested_rate, resample
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
 
@@ -94,13 +95,19 @@ class SpeechLMCodecDecoder(nn.Module):
             (sched.max_num_seqs, max_window_ids(window_settings(extra), self.num_quantizers) // self.num_quantizers,
              sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
         )
+        switches = getattr(vllm_config, "additional_config", None)
+        switches = switches if isinstance(switches, dict) else {}
+        graphed = torch.device(vllm_config.device_config.device).type == "cuda" and switches.get(CODEC_GRAPHS_KEY, True)
+        self._graphs = DecodeGraphs(self.codec.decode) if graphed else None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu") -> SpeechLMCodecDecoder:
-        """The same stage model outside an engine (tests, tools)."""
+    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False) -> SpeechLMCodecDecoder:
+        """The same stage model outside an engine (tests, tools); `graphs`: decode on CUDA graphs
+        of the shapes `warm_up` meets."""
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model._setup(model_dir, device)
+        model._graphs = DecodeGraphs(model.codec.decode) if graphs else None
         return model
 
     def _setup(self, model_dir: str, device: str | torch.device) -> None:
@@ -111,6 +118,7 @@ class SpeechLMCodecDecoder(nn.Module):
         self.sample_rate = self.codec.config.sample_rate
         self.right_reach = self.codec.config.receptive_field_frames[1]
         self._warm_shapes: tuple[int, int, int] | None = None  # (windows, frames, codes a step)
+        self._graphs: DecodeGraphs | None = None
 
     def warm_up(self, max_batch: int, max_frames: int, max_ids: int) -> int:
         """Decode once every (batch bucket, frame bucket) a streamed window can meet: up to
@@ -121,6 +129,9 @@ class SpeechLMCodecDecoder(nn.Module):
                   if batch_bucket(max(1, max_ids // (t * self.num_quantizers))) >= b]
         for b, t in shapes:
             self.codec.decode(torch.zeros((b, self.num_quantizers, t), dtype=torch.long, device=device))
+        if self._graphs is not None:
+            seconds = self._graphs.record([(b, self.num_quantizers, t) for b, t in shapes], device)
+            logger.info("codec stage: %d decode graphs recorded in %.1f s", len(self._graphs), seconds)
         return len(shapes)
 
     # ---- engine hooks ---------------------------------------------------------------------
@@ -211,7 +222,8 @@ class SpeechLMCodecDecoder(nn.Module):
             # cannot index out of the codebooks.
             codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
             # The whole window, context included: the filter reaches across the kept edges.
-            wav = resample(self.codec.decode(codes).float(), self.sample_rate, rate)  # [B, ~T * hop]
+            decode = self._graphs if self._graphs is not None else self.codec.decode
+            wav = resample(decode(codes).float(), self.sample_rate, rate)  # [B, ~T * hop]
             hop = self.hop * rate // self.sample_rate
             for row, i in enumerate(idx):
                 out[i] = self._trim(wav[row], pieces[i][0].shape[0], *pieces[i][1:3], hop)

@@ -38,7 +38,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
-from vllm_omni_speechlm.compat import drop_sampler_jit_warmup, without_kernel_warmup
+from vllm_omni_speechlm.compat import drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup
 from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
 
@@ -133,7 +133,8 @@ class SamplerFreeWarmupMixin:
     """A GPU worker whose stage never runs vLLM's top-k / top-p sampling kernels: stage 0 gives
     vLLM's sampler temperature only (the model applies its own per-modality top-k), the codec
     stage samples nothing. vLLM's JIT warm-up compiles the rest of its list (slot mapping,
-    attention), so the first request still compiles nothing."""
+    attention); stage 0's worker then launches the slot-mapping kernel once, so the first request
+    builds nothing either."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's profiling run samples once with top-k / top-p; through FlashInfer that builds its
@@ -153,6 +154,11 @@ class SpeechLMARWorker(SamplerFreeWarmupMixin, GPUARWorker):
     """vllm-omni's GPU AR worker running `SpeechLMARModelRunner`."""
 
     model_runner_cls = SpeechLMARModelRunner
+
+    def compile_or_warm_up_model(self) -> Any:
+        warmed = super().compile_or_warm_up_model()
+        launch_slot_mapping_kernel(self.model_runner)  # compiled, not launched: its launcher is built here
+        return warmed
 
 
 class CodecStageWorker(SamplerFreeWarmupMixin, GPUGenerationWorker):
