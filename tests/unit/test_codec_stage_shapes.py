@@ -114,3 +114,28 @@ def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(t
             for a, b in zip(eager.decode_windows(codes, infos), graphed.decode_windows(codes, infos)):
                 torch.testing.assert_close(a, b)
     assert len(graphed._graphs) == 6
+
+
+def test_decode_graphs_asked_for_off_cuda_are_refused_aloud(tmp_path):
+    """`additional_config: {speech_lm_codec_graphs: true}` on a CPU stage: a warning, eager decoding."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm_omni_speechlm.make_tiny import make_tiny
+    from vllm_omni_speechlm.models import codec_stage
+
+    make_tiny("bagpiper", tmp_path, seed=0)
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(tmp_path), async_chunk=False), device_config=SimpleNamespace(device="cpu"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=4096),
+        additional_config={"speech_lm_codec_graphs": True},
+    )
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    codec_stage.logger.addHandler(handler)
+    try:
+        stage = SpeechLMCodecDecoder(vllm_config=config)
+    finally:
+        codec_stage.logger.removeHandler(handler)
+    assert stage._graphs is None and seen == ["codec stage: speech_lm_codec_graphs needs CUDA; decoding eagerly on cpu"]

@@ -8,8 +8,8 @@ every eager forward slows the LM too. A graph replays the same kernels in one la
 Shapes come from the stage's bucketing (`codec_stage.batch_bucket`, `frame_bucket`): the graphs
 are recorded at start-up for every bucket a streamed window can meet, largest first, into one
 memory pool (forwards never overlap). A shape without a graph (a clip's last window, decoded at
-its own length) runs eagerly. Off with `--additional-config '{"speech_lm_codec_graphs": false}'`
-on stage 1, and on any device but CUDA.
+its own length) runs eagerly. On with `additional_config: {speech_lm_codec_graphs: true}` in stage
+1's section of a deploy YAML (CUDA only); off by default until measured through `vllm serve`.
 """
 
 from __future__ import annotations

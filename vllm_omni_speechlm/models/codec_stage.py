@@ -96,9 +96,12 @@ class SpeechLMCodecDecoder(nn.Module):
              sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
         )
         switches = getattr(vllm_config, "additional_config", None)
-        switches = switches if isinstance(switches, dict) else {}
-        graphed = torch.device(vllm_config.device_config.device).type == "cuda" and switches.get(CODEC_GRAPHS_KEY, True)
-        self._graphs = DecodeGraphs(self.codec.decode) if graphed else None
+        if isinstance(switches, dict) and switches.get(CODEC_GRAPHS_KEY, False):
+            if torch.device(vllm_config.device_config.device).type == "cuda":
+                self._graphs = DecodeGraphs(self.codec.decode)
+            else:
+                logger.warning("codec stage: %s needs CUDA; decoding eagerly on %s", CODEC_GRAPHS_KEY,
+                               vllm_config.device_config.device)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False) -> SpeechLMCodecDecoder:
