@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import statistics
@@ -51,6 +50,7 @@ import httpx
 import yaml
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # devtools
+from stack_samples import sampled_phase  # noqa: E402
 from streaming_latency import DELAY_STEPS, SAMPLE_RATE, _pct, device_name, write_checkpoint  # noqa: E402
 
 from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
@@ -289,20 +289,6 @@ def measure(url: str, levels: list[str], request, summary, report: dict, save) -
         report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
         print(level, json.dumps({k: v for k, v in report[level].items() if k not in ("error_samples", "first_chunks")}), flush=True)
-
-
-@contextlib.contextmanager
-def sampled_phase(level: str):
-    """Names the level in the stack samplers' phase file while it runs (`stack_sampler/`), if set."""
-    folder = os.environ.get("SPEECHLM_STACK_SAMPLES")
-    phase = Path(folder or ".", "phase")
-    if folder:
-        phase.write_text(level)
-    try:
-        yield
-    finally:
-        if folder:
-            phase.unlink(missing_ok=True)
 
 
 def level_names(levels: list[int], cfgs: list[float | None]) -> dict[str, float | None]:

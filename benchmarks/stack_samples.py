@@ -13,12 +13,30 @@ function shows how much of the phase it was idle.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
 HEADER = re.compile(r"# pid=(?P<pid>\d+) name=(?P<name>\S+)")
+
+
+@contextlib.contextmanager
+def sampled_phase(name: str):
+    """Name the phase the samplers count under while the block runs (SPEECHLM_STACK_SAMPLES's
+    `phase` file; nothing when it is unset): serve_load.py's levels, startup.py's starts."""
+    folder = os.environ.get("SPEECHLM_STACK_SAMPLES")
+    phase = Path(folder or ".", "phase")
+    if folder:
+        phase.parent.mkdir(parents=True, exist_ok=True)
+        phase.write_text(name)
+    try:
+        yield
+    finally:
+        if folder:
+            phase.unlink(missing_ok=True)
 
 
 def read_samples(folder: Path) -> dict[str, dict[tuple[str, str], Counter]]:

@@ -21,7 +21,9 @@ Model: the Bagpiper layout at Qwen3-8B geometry with dummy weights and a random 
 of the released geometry (`--tiny`: the tiny ones, on CPU); deploy: the shipped
 `bagpiper_streaming.yaml` (`--tiny`: `bagpiper_streaming_cpu_tiny.yaml`) with the dummy-weight
 overrides of `streaming_latency.py`, written next to the results. The JSON is rewritten after
-every start, so a run cut short keeps what it measured.
+every start, so a run cut short keeps what it measured. With `benchmarks/stack_sampler` on
+PYTHONPATH and SPEECHLM_STACK_SAMPLES set, every process is sampled under the phases
+"<start> start" (launch to ready) and "<start> requests" (`stack_samples.py` summarizes them).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 import httpx
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # devtools
+from stack_samples import sampled_phase  # noqa: E402
 from streaming_latency import GPU_SHARE, device_name, write_checkpoint, write_deploy  # noqa: E402
 
 from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
@@ -161,14 +164,20 @@ def start_once(engine: tuple, log: Path, caches: dict[str, str], args) -> dict:
     entrypoint, model_dir, serve_args, probe = engine
     os.environ.update(caches | {"VLLM_LOGGING_LEVEL": "INFO"})  # inherited by the server's processes
     launched = time.time()
-    server = VllmServer(model_dir, serve_args, log, entrypoint=entrypoint)
+    with sampled_phase(f"{log.stem} start"):  # with stack_sampler/: where each process's start-up goes
+        server = VllmServer(model_dir, serve_args, log, entrypoint=entrypoint)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
     try:
-        server.wait_ready()
         result = {"ready_s": round(time.time() - launched, 1)}
         result |= parse_log(log.read_text(errors="replace"), launched)
         model = _model_name(server.url)
         try:
-            result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests, caches)
+            with sampled_phase(f"{log.stem} requests"):
+                result["requests"] = first_requests(lambda: probe(server.url, model, args.gen_len), args.requests, caches)
         except Exception as e:  # noqa: BLE001 - the start was measured; say what the requests met
             result["requests"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     finally:

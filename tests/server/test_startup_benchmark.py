@@ -67,7 +67,10 @@ def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
     out = tmp_path / "startup.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--tiny", "--out", str(out),
            "--workdir", str(tmp_path / "work"), "--starts", "1", "--requests", "2"]
-    done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=900)
+    samples = tmp_path / "stacks"  # every process sampled per start (benchmarks/stack_sampler)
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "SPEECHLM_STACK_SAMPLES": str(samples),
+                        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     starts = json.loads(out.read_text())["starts"]
     assert list(starts) == ["speech cold 1", "text cold 2"]
@@ -77,3 +80,9 @@ def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
         assert all(s is not None and s > 0 for s in start["requests"]["seconds"]), name
     assert {"engine_running[stage 0]", "engine_running[stage 1]"} <= set(starts["speech cold 1"]["timeline"])
     assert (tmp_path / "work" / "cache" / "speech" / "vllm").is_dir()  # the caches went where asked
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from stack_samples import summarize
+
+    phases = {(proc.split()[0], phase) for proc, by_phase in summarize(samples, min_samples=1).items() for phase in by_phase}
+    assert {("StageEngineCoreProc_stage0_replica0", "speech-cold-1 start"), ("EngineCore", "text-cold-2 start")} <= phases, phases
+    assert ("StageEngineCoreProc_stage0_replica0", "speech-cold-1 requests") in phases
