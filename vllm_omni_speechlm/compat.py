@@ -439,7 +439,7 @@ def launch_slot_mapping_kernel(model_runner: Any) -> None:
     """Launch vLLM's slot-mapping kernel once for one request and for two, as every step does in
     `_prepare_inputs`. vLLM's JIT warm-up compiles its Triton kernels without launching them
     (Triton's `warmup`), so the first request launched it first: it built the kernel's launcher
-    (0.2 s of gcc on a fresh host) and loaded it, on that request's time. The mapping written here
+    (~0.25 s of gcc on a fresh host) and loaded it, on that request's time. The mapping written here
     is overwritten by the first step."""
     block_table = model_runner.input_batch.block_table
     for num_reqs in (1, 2):

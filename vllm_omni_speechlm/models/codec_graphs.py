@@ -1,9 +1,9 @@
 """The codec stage's decode on CUDA graphs, one per (batch, frames) bucket it meets.
 
-Stage 1 decodes a few windows per forward, and a forward is launch-bound: X-Codec's decoder is
-hundreds of small kernels, ~8 ms eagerly for a single window on an H100, most of it launches.
-Stage 1 shares the GPU with stage 0, whose steps wait while another process's kernels run, so
-every eager forward slows the LM too. A graph replays the same kernels in one launch.
+Stage 1 decodes a few windows per forward, and such a forward is launch-bound: X-Codec's decoder
+is hundreds of small kernels, 4-8 ms eagerly for one window on an H100, ~1.5 ms replayed from a
+graph (the same samples). Through `vllm serve` that brought first audio sooner; stage 0's step,
+on the GPU stage 1 shares, did not change (`benchmarks/HISTORY.md`).
 
 Shapes come from the stage's bucketing (`codec_stage.batch_bucket`, `frame_bucket`): the graphs
 are recorded at start-up for every bucket a streamed window can meet, largest first, into one
