@@ -7,13 +7,17 @@ padding. All functions take any number of leading batch dimensions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
 
 
+@functools.lru_cache(maxsize=256)
 def _delay_index(num_frames: int, num_streams: int, device: torch.device) -> torch.Tensor:
-    """[T, S] row index into the interleaved matrix: t + s."""
+    """[T, S] row index into the interleaved matrix: t + s (cached: streaming cuts a window with
+    it on every hand-over; read only)."""
     t = torch.arange(num_frames, device=device)[:, None]
     s = torch.arange(num_streams, device=device)[None, :]
     return t + s
@@ -69,6 +73,11 @@ class CodebookMap:
         return codes + self.offsets.to(codes.device)
 
 
+@functools.lru_cache(maxsize=16)
+def _codebook_map(cfg: SpeechLMConfig, device: torch.device) -> CodebookMap:
+    return CodebookMap(cfg, device)
+
+
 def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
     """[L, S] generated stream tokens -> [L] bool: the rows of the interleaved audio matrix.
 
@@ -89,7 +98,7 @@ def segment_codes(rows: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | Non
     streams, or None (fewer than S rows); T = n - (S - 1)."""
     if rows.shape[0] < cfg.num_streams:
         return None
-    aligned = CodebookMap(cfg, rows.device).to_codes(deinterleave(rows))
+    aligned = _codebook_map(cfg, rows.device).to_codes(deinterleave(rows))
     return aligned[:, -cfg.codec.num_quantizers :]
 
 

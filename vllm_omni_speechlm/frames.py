@@ -16,7 +16,7 @@ With async_chunk streaming the chunk adapter gets the same rows, as `{"codes": {
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +56,19 @@ class StepOutputs(Sequence):
         return None if self._rows is None else self._rows[row]
 
 
-def frame_rows(payload: Any, num_streams: int) -> torch.Tensor | None:
-    """A payload's [k, S] frames (`{"codes": {"audio": tensor}}`), or None when it carries none."""
-    codes = payload.get("codes", {}) if isinstance(payload, dict) else {}
-    step = codes.get("audio") if isinstance(codes, dict) else None
-    if not isinstance(step, torch.Tensor) or step.numel() == 0:
+def payload_frames(payload: Any) -> torch.Tensor | None:
+    """A payload's frames as they came, unshaped: under the scheduler's flat key ("codes.audio") or
+    nested (`{"codes": {"audio": tensor}}`); None when it carries none."""
+    if not isinstance(payload, Mapping):
         return None
-    return step.reshape(-1, num_streams).to(torch.long)
+    step = payload.get(CODES_KEY)
+    if step is None:
+        codes = payload.get("codes")
+        step = codes.get("audio") if isinstance(codes, Mapping) else None
+    return step if isinstance(step, torch.Tensor) and step.numel() else None
+
+
+def frame_rows(payload: Any, num_streams: int) -> torch.Tensor | None:
+    """A payload's [k, S] frames as long ids, or None when it carries none."""
+    step = payload_frames(payload)
+    return None if step is None else step.reshape(-1, num_streams).to(torch.long)

@@ -19,20 +19,19 @@ the audio segment is the answer's last: it ends with the answer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
-from vllm_omni.data_entry_keys import unflatten_payload
 from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
-from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.frames import payload_frames
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
     MIN_HOLDBACK_KEY,
@@ -57,7 +56,7 @@ class _GateState:
     paced: bool = False  # the segment's windows are paced (decided at its first window)
     plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (pacer)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
-    pending: list[torch.Tensor] = field(default_factory=list)  # [k, S] rows not handed over yet
+    pending: list[torch.Tensor] = field(default_factory=list)  # the steps' frames not handed over yet, as they came
     unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
 
 
@@ -93,16 +92,15 @@ class WindowGate:
         state = self._open.get(ext_id)
         if state is None:
             state = self._open[ext_id] = _GateState(*self._request_options(request))
-        if isinstance(multimodal_output, Mapping):  # the scheduler's keys are flat ("codes.audio")
-            multimodal_output = unflatten_payload(multimodal_output)
-        rows = frame_rows(multimodal_output, self.cfg.num_streams)
+        step = payload_frames(multimodal_output)  # kept as it came: shaped once, when handed over
         ended = False
-        if rows is not None:
-            state.pending.append(rows)
+        if step is not None:
+            state.pending.append(step)
+            new_rows = step.numel() // self.cfg.num_streams
             if self._codes is None:
-                state.unclassified += rows.shape[0]
+                state.unclassified += new_rows
             else:
-                ended = self._count_segment_rows(state, request.output_token_ids[-rows.shape[0] :])
+                ended = self._count_segment_rows(state, request.output_token_ids[-new_rows:])
         if is_finished:
             del self._open[ext_id]
             self._warn_if_silent(request, state)
@@ -112,7 +110,7 @@ class WindowGate:
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
             return False, None
         if state.unclassified:
-            new = torch.cat(state.pending)[-state.unclassified :]
+            new = self._rows(state.pending)[-state.unclassified :]
             state.audio += int(audio_rows(new, self.cfg).sum())
             state.unclassified = 0
         window = self._due(state, state.audio, now)
@@ -172,7 +170,7 @@ class WindowGate:
         say so, with the stream-0 tokens it wrote."""
         if not state.wants_audio or state.spoke or state.audio:
             return
-        new = torch.cat(state.pending)[-state.unclassified :] if state.unclassified else None
+        new = self._rows(state.pending)[-state.unclassified :] if state.unclassified else None
         if new is not None and bool(audio_rows(new, self.cfg).any()):
             return
         ids = list(request.output_token_ids)
@@ -194,10 +192,12 @@ class WindowGate:
     def _paces(self) -> bool:
         return self.pacer is not None and self.pacer.paces
 
-    @staticmethod
-    def _take(state: _GateState) -> dict | None:
+    def _rows(self, pending: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([step.reshape(-1, self.cfg.num_streams) for step in pending]).to(torch.long)
+
+    def _take(self, state: _GateState) -> dict | None:
         rows, state.pending, state.unclassified = state.pending, [], 0
-        return {"codes": {"audio": torch.cat(rows)}} if rows else None
+        return {"codes": {"audio": self._rows(rows)}} if rows else None
 
     def forget(self, ext_ids) -> None:
         """Drop requests that ended without a finishing call (abort, error)."""
