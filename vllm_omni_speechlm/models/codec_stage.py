@@ -130,11 +130,12 @@ class SpeechLMCodecDecoder(nn.Module):
         shapes = [(b, t) for b in sorted({batch_bucket(n) for n in range(1, max_batch + 1)})
                   for t in range(FRAME_BUCKET, frame_bucket(max_frames) + 1, FRAME_BUCKET)
                   if batch_bucket(max(1, max_ids // (t * self.num_quantizers))) >= b]
-        for b, t in shapes:
-            self.codec.decode(torch.zeros((b, self.num_quantizers, t), dtype=torch.long, device=device))
-        if self._graphs is not None:
+        if self._graphs is not None:  # recording decodes each shape once before its capture
             seconds = self._graphs.record([(b, self.num_quantizers, t) for b, t in shapes], device)
             logger.info("codec stage: %d decode graphs recorded in %.1f s", len(self._graphs), seconds)
+            return len(shapes)
+        for b, t in shapes:
+            self.codec.decode(torch.zeros((b, self.num_quantizers, t), dtype=torch.long, device=device))
         return len(shapes)
 
     # ---- engine hooks ---------------------------------------------------------------------
