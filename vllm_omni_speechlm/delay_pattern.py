@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from vllm_omni_speechlm.config import SpeechLMConfig
@@ -78,8 +79,9 @@ def _codebook_map(cfg: SpeechLMConfig, device: torch.device) -> CodebookMap:
     return CodebookMap(cfg, device)
 
 
-def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
-    """[L, S] generated stream tokens -> [L] bool: the rows of the interleaved audio matrix.
+def audio_rows(tokens: torch.Tensor | np.ndarray, cfg: SpeechLMConfig) -> torch.Tensor | np.ndarray:
+    """[L, S] generated stream tokens (a tensor or a host array) -> [L] bool: the rows of the
+    interleaved audio matrix.
 
     Rows whose stream 0 is a codec token (the audio-row mask allows nothing else there, so text
     rows and Bagpiper's final eos row are False). A drain family (`DecodingSpec.drain`) adds its
@@ -89,7 +91,7 @@ def audio_rows(tokens: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor:
     s0 = cfg.streams[0]
     rows = (tokens[:, 0] >= s0.vocab_start) & (tokens[:, 0] < s0.vocab_end)
     if cfg.decoding.drain:
-        rows |= (tokens[:, 1:] != cfg.specials.pad).any(dim=1)
+        rows |= (tokens[:, 1:] != cfg.specials.pad).any(1)
     return rows
 
 
@@ -100,6 +102,29 @@ def segment_codes(rows: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | Non
         return None
     aligned = _codebook_map(cfg, rows.device).to_codes(deinterleave(rows))
     return aligned[:, -cfg.codec.num_quantizers :]
+
+
+@functools.lru_cache(maxsize=256)
+def _host_delay_index(num_frames: int, num_streams: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(num_frames)[:, None] + np.arange(num_streams), np.arange(num_streams)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_codebooks(cfg: SpeechLMConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, sizes - 1) of the codec streams, [Q] each."""
+    specs = cfg.streams[-cfg.codec.num_quantizers :]
+    return np.array([s.code_offset for s in specs]), np.array([s.codebook_size - 1 for s in specs])
+
+
+def host_segment_codes(rows: np.ndarray, cfg: SpeechLMConfig) -> np.ndarray | None:
+    """`segment_codes` of host rows, in numpy: the chunk processor cuts a window with it on the
+    save thread, where each small torch op would hand the interpreter lock to the scheduler's
+    thread and wait to get it back."""
+    if rows.shape[0] < cfg.num_streams:
+        return None
+    frames, streams = _host_delay_index(rows.shape[0] - cfg.num_streams + 1, cfg.num_streams)
+    offsets, top = _host_codebooks(cfg)
+    return np.clip(rows[frames, streams][:, -len(offsets) :] - offsets, 0, top)
 
 
 def audio_segments(tokens: torch.Tensor, cfg: SpeechLMConfig) -> list[torch.Tensor]:

@@ -84,3 +84,21 @@ def test_audio_segments_are_deinterleaved_one_by_one():
     assert torch.equal(got[0], first[:, -cfg.codec.num_quantizers :])
     assert torch.equal(got[1], second[:, -cfg.codec.num_quantizers :])
     assert audio_segments(special(sp.text, cfg.text_range[0], sp.eos), cfg) == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**31), st.sampled_from(["bagpiper", "opuslm"]))
+def test_host_segment_codes_cut_what_segment_codes_cut(frames, seed, family):
+    """The chunk processor's numpy cut of a window equals the torch one, pad slots included."""
+    from vllm_omni_speechlm.config import opuslm_layout
+    from vllm_omni_speechlm.delay_pattern import audio_rows, host_segment_codes, segment_codes
+
+    cfg = bagpiper_layout() if family == "bagpiper" else opuslm_layout()
+    cmap = CodebookMap(cfg)
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1024, (frames, cfg.num_streams), generator=g)
+    rows = interleave(cmap.to_tokens(codes), pad=torch.tensor([s.pad_id for s in cfg.streams]))
+    host = rows.numpy()
+    assert torch.equal(torch.from_numpy(host_segment_codes(host, cfg)), segment_codes(rows, cfg))
+    assert (audio_rows(host, cfg) == audio_rows(rows, cfg).numpy()).all()
+    assert host_segment_codes(host[: cfg.num_streams - 1], cfg) is None

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm_omni.engine.serialization import deserialize_additional_information
@@ -193,7 +194,9 @@ class WindowGate:
         return self.pacer is not None and self.pacer.paces
 
     def _rows(self, pending: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([step.reshape(-1, self.cfg.num_streams) for step in pending]).to(torch.long)
+        # numpy: no torch op per pending step (each would hand the interpreter lock around)
+        rows = np.concatenate([step.numpy().reshape(-1, self.cfg.num_streams) for step in pending])
+        return torch.from_numpy(rows.astype(np.int64, copy=False))
 
     def _take(self, state: _GateState) -> dict | None:
         rows, state.pending, state.unclassified = state.pending, [], 0

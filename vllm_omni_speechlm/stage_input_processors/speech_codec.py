@@ -30,9 +30,10 @@ one on its own, so a segment is streamed as if it were the whole clip: its end (
 is not audio) flushes its frames with no holdback, and the next segment's windows start over,
 with no left context from the one before.
 
-State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (buffered rows, [S] long
-tensors) and `transfer_manager.request_payload[external_req_id]` (counters). The adapter pops
-both on a normal finish and on abort (`_clear_sender_state_locked`, via `cleanup_sender`), so
+State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (the buffered rows, as
+[k, S] numpy blocks: in numpy the save thread's host work hands no interpreter lock to the
+scheduler's thread op by op) and `transfer_manager.request_payload[external_req_id]` (counters).
+The adapter pops both on a normal finish and on abort (`_clear_sender_state_locked`, via `cleanup_sender`), so
 nothing here outlives a request.
 """
 
@@ -41,13 +42,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 from vllm_omni.engine.serialization import deserialize_additional_information
 
 from vllm_omni_speechlm.compat import window_payload
 from vllm_omni_speechlm.config import SpeechLMConfig
-from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, num_complete_frames, segment_codes
-from vllm_omni_speechlm.frames import frame_rows
+from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, host_segment_codes, num_complete_frames
+from vllm_omni_speechlm.frames import payload_frames
 from vllm_omni_speechlm.resample import RATE_KEY, requested_rate
 from vllm_omni_speechlm.streaming import WINDOW_KEY, first_window, next_window, window_settings
 from vllm_omni_speechlm.window_trace import stamp
@@ -90,25 +92,30 @@ def windows_taken(transfer_manager: Any, ext_id: str) -> int:
     return transfer_manager.request_payload.get(ext_id, {}).get(TAKEN_KEY, 0)
 
 
-def _buffer_segment_rows(rows: list[torch.Tensor], state: dict[str, int], multimodal_output: Any,
+def _buffer_segment_rows(blocks: list[np.ndarray], state: dict[str, int], multimodal_output: Any,
                          cfg: SpeechLMConfig) -> bool:
-    """Buffer the payload's audio rows (host tensors: no device sync); whether the payload ends
-    the current audio segment (a row that is not audio after its audio rows). The window gate
-    hands over each segment's end, so no audio row may follow it in the same payload."""
-    step = frame_rows(multimodal_output, cfg.num_streams)
+    """Buffer the payload's audio rows as one host block; whether the payload ends the current
+    audio segment (a row that is not audio after its audio rows). The window gate hands over each
+    segment's end, so no audio row may follow it in the same payload."""
+    step = payload_frames(multimodal_output)
     if step is None:
         return False
+    step = step.numpy().reshape(-1, cfg.num_streams)
     audio = audio_rows(step, cfg)
-    seen = torch.cumsum(audio, 0) + (state["base"] + len(rows))  # segment rows up to each row
-    ends = ~audio & (seen > 0)
-    if not bool(ends.any()):
-        rows.extend(step[audio].unbind(0))
+    if audio.all():
+        blocks.append(step.copy())  # not a view: it could hold a whole step's pinned frame buffer
         return False
-    end = int(torch.nonzero(ends)[0])
-    if bool(audio[end:].any()):
+    ends = ~audio & (np.cumsum(audio) + _rows_seen(blocks, state) > 0)  # a row not audio after audio rows
+    end = int(ends.argmax()) if ends.any() else len(step)
+    if audio[end:].any():
         raise RuntimeError("speech_codec: audio rows after an audio segment's end in one payload")
-    rows.extend(step[:end][audio[:end]].unbind(0))
-    return True
+    blocks.append(step[:end][audio[:end]])
+    return end < len(step)
+
+
+def _rows_seen(blocks: list[np.ndarray], state: dict[str, int]) -> int:
+    """Audio rows of the current segment so far (`base` of them already dropped)."""
+    return state["base"] + sum(len(b) for b in blocks)
 
 
 def speechlm2codec_async_chunk(
@@ -121,30 +128,30 @@ def speechlm2codec_async_chunk(
     ext_id = request.external_req_id
     cfg = _layout(_model_dir(transfer_manager))
     settings = chunk_settings(transfer_manager)
-    rows = transfer_manager.code_prompt_token_ids[ext_id]
+    blocks = transfer_manager.code_prompt_token_ids[ext_id]
     state = transfer_manager.request_payload.get(ext_id)
     if state is None:
         state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
     gated = isinstance(multimodal_output, dict) and WINDOW_KEY in multimodal_output
     state[TAKEN_KEY] += gated  # read by the gate (`windows_taken`); counted before anything can fail
-    ended = _buffer_segment_rows(rows, state, multimodal_output, cfg)
+    ended = _buffer_segment_rows(blocks, state, multimodal_output, cfg)
     flush = is_finished or ended
     decided = multimodal_output[WINDOW_KEY] if gated and not flush else None
-    window = _next_window(rows, state, settings, cfg, flush, decided, multimodal_output)
+    window = _next_window(blocks, state, settings, cfg, flush, decided, multimodal_output)
     if ended:  # the next segment's frames start over: no codec context crosses the edge
-        rows.clear()
+        blocks.clear()
         state["emitted"] = state["base"] = 0
     return window
 
 
-def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
+def _next_window(blocks: list[np.ndarray], state: dict[str, int], settings: dict[str, int], cfg: SpeechLMConfig,
                  flush: bool, decided: tuple[int, int] | None, payload: Any = None) -> Any:
     """The window due now of the current segment (all of its unsent frames when `flush`; the gate's
     (end, holdback) when `decided`), or None. `payload`: the gate's, for the window trace."""
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
 
     emitted = state["emitted"]
-    total = num_complete_frames(state["base"] + len(rows), cfg.num_streams)
+    total = num_complete_frames(_rows_seen(blocks, state), cfg.num_streams)
     window = decided or next_window(total, emitted, state["first_chunk"], settings, flush)
     if window is None:
         return None  # on the final call the adapter sends the terminal marker itself
@@ -152,25 +159,21 @@ def _next_window(rows: list[torch.Tensor], state: dict[str, int], settings: dict
     if not emitted < target <= total - holdback:
         raise RuntimeError(f"speech_codec: window [{emitted}, {target}) + {holdback} is not within {total} frames")
     left = min(settings["codec_left_context_frames"], emitted)
+    rows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
     # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
     # The window's rows are all audio rows of one segment, >= S of them: [left + new + holdback, Q].
-    codes = segment_codes(torch.stack(rows[emitted - left - state["base"] :]), cfg)
+    codes = host_segment_codes(rows[emitted - left - state["base"] :], cfg)
     state["emitted"] = target
-    _drop_rows_before(rows, state, target - settings["codec_left_context_frames"])
+    # Keep only the rows a later window can reach (it starts at emitted - left context).
+    drop = max(0, target - settings["codec_left_context_frames"] - state["base"])
+    blocks[:] = [rows[drop:]]
+    state["base"] += drop
     return window_payload(
-        CodesStruct(audio=codes.reshape(-1)),
+        CodesStruct(audio=torch.from_numpy(codes.astype(np.int64).reshape(-1))),
         MetaStruct(left_context_size=left, right_holdback_size=holdback),
         **({RATE_KEY: state["rate"]} if state["rate"] else {}),
         **stamp(payload),
     )
-
-
-def _drop_rows_before(rows: list[torch.Tensor], state: dict[str, int], first_needed: int) -> None:
-    """Free rows no later window can reach (the next one starts at emitted - left context)."""
-    drop = first_needed - state["base"]
-    if drop > 0:
-        del rows[:drop]
-        state["base"] += drop
 
 
 # ---- batch mode (deploy async_chunk: false): the whole clip in one stage-1 prompt --------------
