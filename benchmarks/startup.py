@@ -61,6 +61,8 @@ MOMENTS = {
     "model_load_start": r"Starting to load model",
     "engine_running": r"\[StageEngineCoreClient\] stage-(\d+) .*EngineCore running",
 }
+# stack_sampler's SPEECHLM_TRACE_SPAWNS lines: epoch seconds, the process, the event, its subject.
+SPAWN = re.compile(r"spawn trace: t=([\d.]+) pid=(\d+) (\w+)(?: (\S+))?(?: child=(\d+))?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PREFIX = re.compile(r"^\((?P<proc>[A-Za-z_]+?)(?:_stage(?P<stage>\d+)_replica\d+)? pid=\d+\)\s*")
 STAMP = re.compile(r"(?:INFO|WARNING|ERROR|DEBUG)\s+(\d\d-\d\d \d\d:\d\d:\d\d)")
@@ -101,7 +103,21 @@ def parse_log(text: str, launched: float) -> dict:
             if found:
                 per_stage = phases.setdefault(f"stage {stage}", {})
                 per_stage[phase] = round(per_stage.get(phase, 0.0) + float(found.group(1)), 2)
+    timeline |= spawn_timeline(text, launched)
     return {"timeline": dict(sorted(timeline.items(), key=lambda kv: kv[1])), "phases": phases}
+
+
+def spawn_timeline(text: str, launched: float) -> dict[str, float]:
+    """`spawn <event>[<process>]` moments of the log's spawn trace lines (stack_sampler/): when the
+    parent started each child, its interpreter came up, it re-ran the main module, it ran."""
+    events = [m.groups() for m in SPAWN.finditer(text)]
+    names = {child: name for _, _, event, name, child in events if event == "start"}
+    out: dict[str, float] = {}
+    for at, pid, event, name, _ in events:
+        who = name or names.get(pid)  # a child's own events name it by its pid
+        if who is not None:
+            out.setdefault(f"spawn {event}[{who}]", round(float(at) - launched, 1))
+    return out
 
 
 def _model_name(url: str) -> str:

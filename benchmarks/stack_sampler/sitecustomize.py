@@ -10,6 +10,12 @@ SPEECHLM_STACK_SAMPLES=DIR   while DIR/phase exists, a daemon thread samples eve
 SPEECHLM_TRACE_LAUNCHERS=1   every Triton C module built (a launcher or utility missing from
                              TRITON_CACHE_DIR) is logged on stderr as `launcher build trace:`
                              with the Python stack that asked for it: what a request compiled.
+SPEECHLM_TRACE_SPAWNS=1      a `spawn trace: t=<epoch> pid=<pid> <event>` line on stderr when a
+                             process starts another (`start <name>`, with the seconds `start()`
+                             took), when a spawned child's interpreter is up (`interpreter`), when
+                             it has re-run the parent's main module (`prepared`) and when it has
+                             unpickled its target and runs it (`run <name>`): where a stage
+                             process's start goes before it logs anything.
 
 Nothing here is imported by the project; it changes no behaviour, only observes.
 """
@@ -23,6 +29,7 @@ from collections import Counter
 
 _OUT = os.environ.get("SPEECHLM_STACK_SAMPLES")
 _LAUNCHERS = os.environ.get("SPEECHLM_TRACE_LAUNCHERS") == "1"
+_SPAWNS = os.environ.get("SPEECHLM_TRACE_SPAWNS") == "1"
 _DUMP_EVERY_S = 10.0
 
 
@@ -90,6 +97,34 @@ def _hook_triton() -> bool:
     return True
 
 
+def _spawn_event(event: str, at: float | None = None) -> None:
+    print(f"spawn trace: t={time.time() if at is None else at:.3f} pid={os.getpid()} {event}", file=sys.stderr, flush=True)
+
+
+def _hook_spawns() -> None:
+    """Wrap multiprocessing's process start, a spawned child's preparation and its bootstrap."""
+    import multiprocessing.process as mp_process
+    import multiprocessing.spawn as mp_spawn
+
+    start, bootstrap, prepare = mp_process.BaseProcess.start, mp_process.BaseProcess._bootstrap, mp_spawn.prepare
+
+    def traced_start(self):
+        begun = time.time()
+        start(self)
+        _spawn_event(f"start {self.name} child={self.pid} took={time.time() - begun:.3f}", begun)
+
+    def traced_bootstrap(self, *args, **kwargs):
+        _spawn_event(f"run {self.name}")
+        return bootstrap(self, *args, **kwargs)
+
+    def traced_prepare(data):
+        prepare(data)
+        _spawn_event("prepared")
+
+    mp_process.BaseProcess.start, mp_process.BaseProcess._bootstrap, mp_spawn.prepare = (
+        traced_start, traced_bootstrap, traced_prepare)
+
+
 def _run(interval_s: float) -> None:
     me = threading.get_ident()
     last_dump = time.time()
@@ -120,6 +155,9 @@ def _start() -> None:
     threading.Thread(target=_run, args=(interval_s,), name="stack-sampler", daemon=True).start()
 
 
+if _SPAWNS:
+    _spawn_event("interpreter")
+    _hook_spawns()
 if _OUT or _LAUNCHERS:
     if _OUT:
         os.makedirs(_OUT, exist_ok=True)

@@ -68,7 +68,7 @@ def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--tiny", "--out", str(out),
            "--workdir", str(tmp_path / "work"), "--starts", "1", "--requests", "2"]
     samples = tmp_path / "stacks"  # every process sampled per start (benchmarks/stack_sampler)
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "SPEECHLM_STACK_SAMPLES": str(samples),
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "SPEECHLM_STACK_SAMPLES": str(samples), "SPEECHLM_TRACE_SPAWNS": "1",
                         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -78,7 +78,8 @@ def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
         assert "error" not in start, start
         assert start["ready_s"] > 0 and len(start["requests"]["seconds"]) == 2
         assert all(s is not None and s > 0 for s in start["requests"]["seconds"]), name
-    assert {"engine_running[stage 0]", "engine_running[stage 1]"} <= set(starts["speech cold 1"]["timeline"])
+    assert {"engine_running[stage 0]", "engine_running[stage 1]", "spawn run[StageEngineCoreProc_stage0_replica0]",
+            "spawn prepared[StageEngineCoreProc_stage1_replica0]"} <= set(starts["speech cold 1"]["timeline"])
     assert (tmp_path / "work" / "cache" / "speech" / "vllm").is_dir()  # the caches went where asked
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from stack_samples import summarize

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,27 @@ def test_a_triton_module_built_is_traced_with_its_caller_and_a_cached_one_is_not
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("launcher build trace:") == 1, done.stderr[-2000:]
     assert "module=probe_mod" in done.stderr and "first_launch" in done.stderr
+
+
+def test_a_spawned_child_is_traced_from_its_start_to_its_run(tmp_path):
+    script = tmp_path / "probe.py"  # spawn re-imports the parent's main module: it needs a file
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+        def work():
+            pass
+        if __name__ == "__main__":
+            child = mp.get_context("spawn").Process(target=work, name="probe-child")
+            child.start()
+            child.join()
+    """))
+    launched = time.time()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": f"{SAMPLER}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                                            "SPEECHLM_TRACE_SPAWNS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    from startup import spawn_timeline
+
+    moments = spawn_timeline(done.stderr, launched)
+    order = ["start", "interpreter", "prepared", "run"]
+    assert list(moments) == [f"spawn {event}[probe-child]" for event in order], done.stderr[-2000:]
+    assert list(moments.values()) == sorted(moments.values()) and 0 <= moments["spawn start[probe-child]"] < 60
