@@ -99,10 +99,11 @@ def test_a_step_padded_past_its_windows_decodes_the_windows(stage):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(tmp_path):
+@pytest.mark.parametrize("family", ["bagpiper", "opuslm"])  # X-Codec, DAC
+def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(tmp_path, family):
     from vllm_omni_speechlm.make_tiny import make_tiny
 
-    make_tiny("bagpiper", tmp_path, seed=0)
+    make_tiny(family, tmp_path, seed=0)
     eager = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda")
     graphed = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda", graphs=True)
     with torch.inference_mode():
@@ -116,26 +117,42 @@ def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(t
     assert len(graphed._graphs) == 6
 
 
-def test_decode_graphs_asked_for_off_cuda_are_refused_aloud(tmp_path):
-    """`additional_config: {speech_lm_codec_graphs: true}` on a CPU stage: a warning, eager decoding."""
+@pytest.mark.parametrize("switch, graphs_note", [
+    (True, ["codec stage: speech_lm_codec_graphs needs CUDA; decoding eagerly on cpu"]),  # asked for: said aloud
+    (None, []),  # the default: graphs where the stage runs on CUDA, silently eager elsewhere
+    (False, []),
+])
+def test_decode_graphs_off_cuda_decode_eagerly(tmp_path, switch, graphs_note):
+    """`additional_config: {speech_lm_codec_graphs: ...}` on a CPU stage: eager decoding, with a
+    warning only when the graphs were asked for."""
+    stage, seen = _cpu_codec_stage(tmp_path, {} if switch is None else {"speech_lm_codec_graphs": switch})
+    assert stage._graphs is None and seen == graphs_note
+
+
+def test_a_decode_graphs_switch_that_is_not_a_bool_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="additional_config.speech_lm_codec_graphs: expected true or false"):
+        _cpu_codec_stage(tmp_path, {"speech_lm_codec_graphs": "yes"})
+
+
+def _cpu_codec_stage(model_dir, additional_config: dict) -> tuple[SpeechLMCodecDecoder, list[str]]:
+    """The stage model as vLLM builds it on CPU, and the messages it logged."""
     import logging
     from types import SimpleNamespace
 
     from vllm_omni_speechlm.make_tiny import make_tiny
     from vllm_omni_speechlm.models import codec_stage
 
-    make_tiny("bagpiper", tmp_path, seed=0)
+    make_tiny("bagpiper", model_dir, seed=0)
     config = SimpleNamespace(
-        model_config=SimpleNamespace(model=str(tmp_path), async_chunk=False), device_config=SimpleNamespace(device="cpu"),
+        model_config=SimpleNamespace(model=str(model_dir), async_chunk=False), device_config=SimpleNamespace(device="cpu"),
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=4096),
-        additional_config={"speech_lm_codec_graphs": True},
+        additional_config=additional_config,
     )
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     codec_stage.logger.addHandler(handler)
     try:
-        stage = SpeechLMCodecDecoder(vllm_config=config)
+        return SpeechLMCodecDecoder(vllm_config=config), seen
     finally:
         codec_stage.logger.removeHandler(handler)
-    assert stage._graphs is None and seen == ["codec stage: speech_lm_codec_graphs needs CUDA; decoding eagerly on cpu"]

@@ -76,6 +76,21 @@ def frame_bucket(frames: int) -> int:
     return -(-frames // FRAME_BUCKET) * FRAME_BUCKET
 
 
+def _decode_graphs(vllm_config: Any) -> bool:
+    """Whether the stage decodes on CUDA graphs: on CUDA unless `additional_config` sets
+    `speech_lm_codec_graphs: false`; asked for elsewhere, a warning and eager decoding."""
+    switches = getattr(vllm_config, "additional_config", None)
+    asked = switches.get(CODEC_GRAPHS_KEY) if isinstance(switches, dict) else None
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"additional_config.{CODEC_GRAPHS_KEY}: expected true or false, got {asked!r}")
+    device = vllm_config.device_config.device
+    if torch.device(device).type == "cuda":
+        return asked is not False
+    if asked:
+        logger.warning("codec stage: %s needs CUDA; decoding eagerly on %s", CODEC_GRAPHS_KEY, device)
+    return False
+
+
 class SpeechLMCodecDecoder(nn.Module):
     """Generation-stage codec decoder (decoder path only)."""
 
@@ -95,13 +110,8 @@ class SpeechLMCodecDecoder(nn.Module):
             (sched.max_num_seqs, max_window_ids(window_settings(extra), self.num_quantizers) // self.num_quantizers,
              sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
         )
-        switches = getattr(vllm_config, "additional_config", None)
-        if isinstance(switches, dict) and switches.get(CODEC_GRAPHS_KEY, False):
-            if torch.device(vllm_config.device_config.device).type == "cuda":
-                self._graphs = DecodeGraphs(self.codec.decode)
-            else:
-                logger.warning("codec stage: %s needs CUDA; decoding eagerly on %s", CODEC_GRAPHS_KEY,
-                               vllm_config.device_config.device)
+        if _decode_graphs(vllm_config):
+            self._graphs = DecodeGraphs(self.codec.decode)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False) -> SpeechLMCodecDecoder:
@@ -131,9 +141,14 @@ class SpeechLMCodecDecoder(nn.Module):
                   for t in range(FRAME_BUCKET, frame_bucket(max_frames) + 1, FRAME_BUCKET)
                   if batch_bucket(max(1, max_ids // (t * self.num_quantizers))) >= b]
         if self._graphs is not None:  # recording decodes each shape once before its capture
-            seconds = self._graphs.record([(b, self.num_quantizers, t) for b, t in shapes], device)
-            logger.info("codec stage: %d decode graphs recorded in %.1f s", len(self._graphs), seconds)
-            return len(shapes)
+            try:
+                seconds = self._graphs.record([(b, self.num_quantizers, t) for b, t in shapes], device)
+            except Exception:  # the decode stays correct eagerly; the stage keeps running
+                logger.exception("codec stage: recording the decode graphs failed; decoding eagerly")
+                self._graphs = None
+            else:
+                logger.info("codec stage: %d decode graphs recorded in %.1f s", len(self._graphs), seconds)
+                return len(shapes)
         for b, t in shapes:
             self.codec.decode(torch.zeros((b, self.num_quantizers, t), dtype=torch.long, device=device))
         return len(shapes)
