@@ -237,3 +237,17 @@ def test_clips_are_given_back_when_requests_abort(tiny_bagpiper, speech, cls):
     assert encoder_cache_held(scheduler)[0] == 0  # prefilled: vLLM drops a clip's reference once its rows ran
     scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
     assert encoder_cache_held(scheduler) == (0, 0) and not scheduler.requests and not scheduler.partner
+
+
+def test_a_companion_of_a_seeded_request_is_not_seeded(tiny_bagpiper, speech):
+    """Its samples are replaced by its main's, so only the main keeps the seed (a seeded row makes
+    vLLM's sampler draw that row's noise on its own)."""
+    requests, _ = _requests(speech, ["audio_twice", "unguided"])
+    for seed, request in enumerate(requests, start=7):
+        request.sampling_params.seed = seed
+    scheduler = _scheduler(PairedCFGScheduler, _vllm_config(tiny_bagpiper, 16))
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.schedule()  # an answer that opens with audio has its companion from arrival
+    seeds = {rid: r.sampling_params.seed for rid, r in scheduler.requests.items()}
+    assert seeds == {"0_audio_twice": 7, "0_audio_twice::cfg-uncond": None, "1_unguided": 8}, seeds

@@ -175,6 +175,9 @@ class _PairedCFGMixin:
         # The same last position as the main's: vLLM's length checks stop (or skip) both alike.
         params = main.sampling_params.clone()
         params.max_tokens = main.num_prompt_tokens + main.max_tokens - len(prompt)
+        # What it samples is replaced by its main's tokens: a seed would only make vLLM's sampler
+        # draw its noise row by row (a seeded row's own generator) instead of with the batch's.
+        params.seed = None
         if params.max_tokens <= 0:  # the answer ends before the segment's first row
             return
         companion = OmniRequest(
