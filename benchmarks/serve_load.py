@@ -59,6 +59,7 @@ PROMPT = "Tell me about the sea."
 # The server's environment that changes what is measured (recorded in the settings).
 SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH", "SPEECHLM_STACK_SAMPLES", "SPEECHLM_TRACE_LAUNCHERS")
 BUFFER_S = 0.2
+BURST_S = 1.0  # a level's first second (its requests' arrival and admission), sampled as a phase of its own
 STALL_FREE_S = 1e-3
 FIRST_CHUNKS = 12
 
@@ -279,7 +280,7 @@ def measure(url: str, levels: list[str], request, summary, report: dict, save) -
     for level in levels:
         before = scrape(url)
         try:
-            with sampled_phase(level):
+            with sampled_phase(f"{level} burst", then=level, after_s=BURST_S):
                 stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
         except ServerDown as e:
             report[level] = {"server_down": str(e)}

@@ -3,7 +3,7 @@ samples: per process, phase and thread, the share of samples in which each funct
 stack (inclusive) and at its top (self).
 
     SPEECHLM_STACK_SAMPLES=/tmp/st PYTHONPATH=benchmarks/stack_sampler:$PYTHONPATH \\
-        python benchmarks/serve_load.py ...               # the phase of a sample: serve_load's level
+        python benchmarks/serve_load.py ...               # a sample's phase: its level ("64 burst": its first second)
     python benchmarks/stack_samples.py /tmp/st --out stacks.json [--top 25] [--min-samples 50]
 
 A thread that waits (a lock, a socket, a CUDA synchronization) is sampled too: its waiting
@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -24,17 +25,24 @@ HEADER = re.compile(r"# pid=(?P<pid>\d+) name=(?P<name>\S+)")
 
 
 @contextlib.contextmanager
-def sampled_phase(name: str):
+def sampled_phase(name: str, then: str | None = None, after_s: float = 0.0):
     """Name the phase the samplers count under while the block runs (SPEECHLM_STACK_SAMPLES's
-    `phase` file; nothing when it is unset): serve_load.py's levels, startup.py's starts."""
+    `phase` file; nothing when it is unset): serve_load.py's levels, startup.py's starts. With
+    `then`, the phase is renamed so `after_s` seconds in (a level's burst of arrivals, then the rest)."""
     folder = os.environ.get("SPEECHLM_STACK_SAMPLES")
     phase = Path(folder or ".", "phase")
+    rename = threading.Timer(after_s, phase.write_text, (then,)) if folder and then else None
     if folder:
         phase.parent.mkdir(parents=True, exist_ok=True)
         phase.write_text(name)
+    if rename is not None:
+        rename.start()
     try:
         yield
     finally:
+        if rename is not None:
+            rename.cancel()
+            rename.join()  # not renamed after the phase ends
         if folder:
             phase.unlink(missing_ok=True)
 

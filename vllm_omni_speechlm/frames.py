@@ -66,9 +66,3 @@ def payload_frames(payload: Any) -> torch.Tensor | None:
         codes = payload.get("codes")
         step = codes.get("audio") if isinstance(codes, Mapping) else None
     return step if isinstance(step, torch.Tensor) and step.numel() else None
-
-
-def frame_rows(payload: Any, num_streams: int) -> torch.Tensor | None:
-    """A payload's [k, S] frames as long ids, or None when it carries none."""
-    step = payload_frames(payload)
-    return None if step is None else step.reshape(-1, num_streams).to(torch.long)

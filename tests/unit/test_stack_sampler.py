@@ -90,3 +90,17 @@ def test_a_spawned_child_is_traced_from_its_start_to_its_run(tmp_path):
     order = ["start", "interpreter", "prepared", "run"]
     assert list(moments) == [f"spawn {event}[probe-child]" for event in order], done.stderr[-2000:]
     assert list(moments.values()) == sorted(moments.values()) and 0 <= moments["spawn start[probe-child]"] < 60
+
+
+def test_a_phase_can_be_renamed_after_its_first_seconds(tmp_path, monkeypatch):
+    from stack_samples import sampled_phase
+
+    monkeypatch.setenv("SPEECHLM_STACK_SAMPLES", str(tmp_path))
+    with sampled_phase("64 burst", then="64", after_s=0.1):
+        assert (tmp_path / "phase").read_text() == "64 burst"
+        time.sleep(0.4)
+        assert (tmp_path / "phase").read_text() == "64"
+    with sampled_phase("1 burst", then="1", after_s=30):  # a level shorter than its burst
+        pass
+    time.sleep(0.1)
+    assert not (tmp_path / "phase").exists()

@@ -33,8 +33,8 @@ with no left context from the one before.
 State: only `transfer_manager.code_prompt_token_ids[external_req_id]` (the buffered rows, as
 [k, S] numpy blocks: in numpy the save thread's host work hands no interpreter lock to the
 scheduler's thread op by op) and `transfer_manager.request_payload[external_req_id]` (counters).
-The adapter pops both on a normal finish and on abort (`_clear_sender_state_locked`, via `cleanup_sender`), so
-nothing here outlives a request.
+The adapter pops both on a normal finish and on abort (`_clear_sender_state_locked`, via
+`cleanup_sender`), so nothing here outlives a request.
 """
 
 from __future__ import annotations
