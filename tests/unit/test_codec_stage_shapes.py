@@ -1,6 +1,7 @@
-"""The codec stage's shapes (models/codec_stage.py): windows with a lookahead decode padded to a
-frame bucket in a padded batch, and keep exactly the audio each gives decoded alone at its own
-length; a window without lookahead (a clip's end) is not padded; the warm-up covers the buckets."""
+"""The codec stage's shapes (models/codec_stage.py): windows decode padded to a frame bucket in a
+padded batch (behind a full lookahead, or in front of a full left context), and keep exactly the
+audio each gives decoded alone at its own length; a window with neither is not padded; the warm-up
+covers the buckets."""
 
 from __future__ import annotations
 
@@ -33,15 +34,19 @@ def _alone(stage, codes: torch.Tensor, left: int, holdback: int) -> torch.Tensor
 def test_padded_windows_keep_what_each_gives_alone(stage):
     g = torch.Generator().manual_seed(0)
     q, size, reach = stage.num_quantizers, stage.codec.config.codebook_size, stage.right_reach
-    # (left, new, holdback): ramp windows with a lookahead (padded to 16 / 32 frames), a clip's end
-    shapes = [(0, 2, reach), (2, 2, reach), (4, 4, reach), (8, 8, reach), (3, 5, 0)]
+    left_reach = stage.left_reach
+    # (left, new, holdback): ramp windows with a lookahead (padded behind to 16 / 32 frames); a
+    # short lookahead and a clip's end behind a full left context (padded in front); neither (as is)
+    shapes = [(0, 2, reach), (2, 2, reach), (4, 4, reach), (8, 8, reach), (left_reach, 3, 2), (left_reach + 4, 5, 0),
+              (3, 5, 0), (2, 3, 2)]
     windows = [torch.randint(0, size, (left + new + hold, q), generator=g) for left, new, hold in shapes]
     infos = [{"meta": {"left_context_size": left, "right_holdback_size": hold}} for left, _, hold in shapes]
     atol = 1e-3 if stage.cfg.codec.type == "dac" else 1e-4  # float rounding of other shapes (streaming tests' bounds)
     with torch.inference_mode():
         got = stage.decode_windows([w.reshape(-1) for w in windows], infos)
         for w, (left, new, hold), audio in zip(windows, shapes, got):
-            assert frame_bucket(w.shape[0]) > w.shape[0] or hold == 0  # the case pads
+            bucketed, _ = stage._bucketed(w, left, hold)
+            assert (bucketed.shape[0] == frame_bucket(w.shape[0]) > w.shape[0]) == (hold >= reach or left >= left_reach)
             torch.testing.assert_close(audio, _alone(stage, w, left, hold), atol=atol, rtol=0)
             assert audio.numel() <= new * stage.hop
 

@@ -11,13 +11,14 @@ each window resampled whole, then trimmed), reported as its `sr`. A streamed win
 one audio segment; the whole-answer hand-off's single window lists its segments' lengths
 (`meta.segment_frames`), and each segment is decoded (and resampled) on its own.
 
-Shapes: a window that keeps a lookahead (holdback >= the codec's right reach) is padded on the
-right to a multiple of FRAME_BUCKET frames (frames past the lookahead cannot reach the kept ones),
-and each call's batch to a bucket size (`batch_bucket`), so the decoder meets a few shapes, which
+Shapes: a window is padded to a multiple of FRAME_BUCKET frames where padding leaves its new
+frames' audio as it is: behind a lookahead of the codec's right reach (frames past the lookahead
+cannot reach the kept ones), or else in front of a left context of its left reach (a short
+lookahead's or a clip's end stays where it is: whole-clip decoding ends with zeros there). Each
+call's batch is padded to a bucket size (`batch_bucket`). So the decoder meets a few shapes, which
 vLLM's first dummy forward (its memory profile) decodes once each (`warm_up`): a shape's first
 decode picks cuDNN algorithms and allocates, ~50-100 ms on an H100, which a listener would hear.
-A window without lookahead (a clip's end) is decoded at its own length: padding would change its
-last frames, which whole-clip decoding ends with zeros.
+A window with neither (a segment's first windows with a short lookahead) keeps its length.
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -129,7 +130,7 @@ class SpeechLMCodecDecoder(nn.Module):
         self.num_quantizers = self.codec.config.num_quantizers
         self.hop = self.codec.config.hop_length
         self.sample_rate = self.codec.config.sample_rate
-        self.right_reach = self.codec.config.receptive_field_frames[1]
+        self.left_reach, self.right_reach = self.codec.config.receptive_field_frames
         self._warm_shapes: tuple[int, int, int] | None = None  # (windows, frames, codes a step)
         self._graphs: DecodeGraphs | None = None
 
@@ -229,24 +230,37 @@ class SpeechLMCodecDecoder(nn.Module):
         """Decode (codes [T, Q], left, holdback, rate) pieces, those of one (bucketed) length and
         rate in one batched call; keep each piece's new audio."""
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32)] * len(pieces)
+        padded = [self._bucketed(codes, left, holdback) for codes, left, holdback, _ in pieces]
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, (codes, _, holdback, rate) in enumerate(pieces):
-            padded = holdback > 0 and holdback >= self.right_reach  # a lookahead: frames past it do not reach back
-            frames = frame_bucket(codes.shape[0]) if padded else codes.shape[0]
-            groups.setdefault((frames, rate), []).append(i)
-        for (frames, rate), idx in groups.items():
-            rows = [_pad_frames(pieces[i][0], frames) for i in idx]
-            codes = torch.stack(rows + rows[:1] * (batch_bucket(len(rows)) - len(rows)))  # [B, T, Q]
+        for i, ((codes, _), (*_, rate)) in enumerate(zip(padded, pieces)):
+            groups.setdefault((codes.shape[0], rate), []).append(i)
+        for (_, rate), idx in groups.items():
+            rows = [padded[i][0] for i in idx]
+            batch = torch.stack(rows + rows[:1] * (batch_bucket(len(rows)) - len(rows)))  # [B, T, Q]
             # The processor clamps to [0, codebook_size); clamp again so a stray id (a dummy run)
             # cannot index out of the codebooks.
-            codes = codes.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
+            batch = batch.clamp(0, self.codec.config.codebook_size - 1).transpose(1, 2)  # [B, Q, T]
             # The whole window, context included: the filter reaches across the kept edges.
             decode = self._graphs if self._graphs is not None else self.codec.decode
-            wav = resample(decode(codes).float(), self.sample_rate, rate)  # [B, ~T * hop]
+            wav = resample(decode(batch).float(), self.sample_rate, rate)  # [B, ~T * hop]
             hop = self.hop * rate // self.sample_rate
             for row, i in enumerate(idx):
-                out[i] = self._trim(wav[row], pieces[i][0].shape[0], *pieces[i][1:3], hop)
+                (codes, left, holdback, _), front = pieces[i], padded[i][1]
+                out[i] = self._trim(wav[row], front + codes.shape[0], front + left, holdback, hop)
         return out
+
+    def _bucketed(self, codes: torch.Tensor, left: int, holdback: int) -> tuple[torch.Tensor, int]:
+        """(codes padded to their frame bucket, frames padded in front), padded where the new
+        frames' audio stays the same: behind a lookahead of the codec's right reach, or else in
+        front of a left context of its left reach (a short lookahead's end, a clip's end). A window
+        with neither decodes at its own length."""
+        frames = frame_bucket(codes.shape[0])
+        if holdback > 0 and holdback >= self.right_reach:
+            return _pad_frames(codes, frames), 0
+        if left >= self.left_reach and frames > codes.shape[0]:
+            front = frames - codes.shape[0]
+            return torch.cat([codes[:1].expand(front, -1), codes]), front
+        return codes, 0
 
     @staticmethod
     def _trim(wav: torch.Tensor, num_frames: int, left: int, holdback: int, hop: int) -> torch.Tensor:
