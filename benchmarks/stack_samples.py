@@ -28,7 +28,8 @@ HEADER = re.compile(r"# pid=(?P<pid>\d+) name=(?P<name>\S+)")
 def sampled_phase(name: str, then: str | None = None, after_s: float = 0.0):
     """Name the phase the samplers count under while the block runs (SPEECHLM_STACK_SAMPLES's
     `phase` file; nothing when it is unset): serve_load.py's levels, startup.py's starts. With
-    `then`, the phase is renamed so `after_s` seconds in (a level's burst of arrivals, then the rest)."""
+    `then`, the phase is renamed `then` after `after_s` seconds (a level's burst of arrivals, then
+    the rest)."""
     folder = os.environ.get("SPEECHLM_STACK_SAMPLES")
     phase = Path(folder or ".", "phase")
     rename = threading.Timer(after_s, phase.write_text, (then,)) if folder and then else None
