@@ -104,27 +104,18 @@ def segment_codes(rows: torch.Tensor, cfg: SpeechLMConfig) -> torch.Tensor | Non
     return aligned[:, -cfg.codec.num_quantizers :]
 
 
-@functools.lru_cache(maxsize=256)
-def _host_delay_index(num_frames: int, num_streams: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.arange(num_frames)[:, None] + np.arange(num_streams), np.arange(num_streams)
-
-
-@functools.lru_cache(maxsize=16)
-def _host_codebooks(cfg: SpeechLMConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, sizes - 1) of the codec streams, [Q] each."""
-    specs = cfg.streams[-cfg.codec.num_quantizers :]
-    return np.array([s.code_offset for s in specs]), np.array([s.codebook_size - 1 for s in specs])
-
-
 def host_segment_codes(rows: np.ndarray, cfg: SpeechLMConfig) -> np.ndarray | None:
-    """`segment_codes` of host rows, in numpy: the chunk processor cuts a window with it on the
-    save thread, where each small torch op would hand the interpreter lock to the scheduler's
-    thread and wait to get it back."""
+    """`segment_codes` of host rows, in numpy (the same cached index and codebook map): the chunk
+    processor cuts a window with it on the save thread, where each small torch op would hand the
+    interpreter lock to the scheduler's thread and wait to get it back."""
     if rows.shape[0] < cfg.num_streams:
         return None
-    frames, streams = _host_delay_index(rows.shape[0] - cfg.num_streams + 1, cfg.num_streams)
-    offsets, top = _host_codebooks(cfg)
-    return np.clip(rows[frames, streams][:, -len(offsets) :] - offsets, 0, top)
+    cpu = torch.device("cpu")
+    index = _delay_index(rows.shape[0] - cfg.num_streams + 1, cfg.num_streams, cpu).numpy()
+    cmap = _codebook_map(cfg, cpu)
+    codes = np.take_along_axis(rows, index, axis=0) - cmap.offsets.numpy()
+    aligned = np.minimum(np.maximum(codes, 0), cmap.sizes.numpy() - 1)  # CodebookMap.to_codes
+    return aligned[:, -cfg.codec.num_quantizers :]
 
 
 def audio_segments(tokens: torch.Tensor, cfg: SpeechLMConfig) -> list[torch.Tensor]:

@@ -8,8 +8,9 @@ took 7 ms against 24 and stage 0, which shares the GPU, stepped faster (`benchma
 Shapes come from the stage's bucketing (`codec_stage.batch_bucket`, `frame_bucket`): the graphs
 are recorded at start-up for every bucket a streamed window can meet, largest first, into one
 memory pool (forwards never overlap). A shape without a graph (a window decoded at its own
-length: a short lookahead without a full left context) runs eagerly. On wherever the stage runs on CUDA; `additional_config:
-{speech_lm_codec_graphs: false}` in stage 1's section of a deploy YAML turns them off.
+length: a short lookahead without a full left context) runs eagerly. On wherever the stage runs
+on CUDA; `additional_config: {speech_lm_codec_graphs: false}` in stage 1's section of a deploy
+YAML turns them off.
 """
 
 from __future__ import annotations
