@@ -72,6 +72,8 @@ _MM_INFO = "vllm.multimodal.processing.context:BaseProcessingInfo"
 _MM_DUMMY = "vllm.multimodal.processing.dummy_inputs:BaseDummyInputsBuilder"
 _VOCAB_EMB = "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding"
 _ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
+_GEN_SCHED = "vllm_omni.core.sched.omni_generation_scheduler:OmniGenerationScheduler"
+_SHM = "vllm_omni.distributed.omni_connectors.connectors.shm_connector:SharedMemoryConnector"
 
 HOOKS = (
     # stage-0 scheduler (stage0/scheduler.py, stage0/steady_rows.py)
@@ -110,6 +112,16 @@ HOOKS = (
     # merges a payload's top-level keys into the next stage's runtime information (window_payload)
     Hook(_ADAPTER, "_commit_received_chunk", "relied",
          "self, request, result, *, stage_id, req_id, chunk_id, connector_get_key"),
+    # stage 1's scheduler: the windows of a request it ends early (stage1/scheduler.py)
+    Hook(_GEN_SCHED, "add_request", "override", "self, request"),
+    Hook(_GEN_SCHED, "finish_requests", "override", "self, request_ids, finished_status"),
+    Hook(_GEN_SCHED, "chunk_transfer_adapter", "attribute"),
+    Hook(_ADAPTER, "upstream_exhausted_requests", "attribute"),
+    Hook(_ADAPTER, "get_req_chunk", "attribute"),
+    Hook(_ADAPTER, "_poll_single_request", "relied", "self, entry"),  # window_key
+    Hook(_SHM, "get", "call", "self, from_stage, to_stage, get_key, metadata=None"),
+    Hook(_SHM, "cleanup", "call", "self, request_id"),
+    Hook(_SHM, "stage_id", "attribute"),
     # stage-0 runner (stage0/runner.py, stage0/runner_loops.py)
     Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_build_model_kwargs_extra", "override", "self"),
     Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "_sync_local_stage_payloads", "call", "self"),
@@ -330,6 +342,12 @@ def _payload_cls(keys: tuple[str, ...]) -> type:
 
     fields = [(key, int | None, None) for key in keys]
     return msgspec.defstruct("SpeechLMWindowPayload", fields, bases=(OmniPayloadStruct,), kw_only=True)
+
+
+def window_key(external_req_id: str, stage_id: int, chunk_id: int) -> str:
+    """The connector key of a request's `chunk_id`-th window from stage `stage_id`, as vllm-omni's
+    chunk adapter names it on both ends (`_poll_single_request`)."""
+    return f"{external_req_id}_{stage_id}_{chunk_id}"
 
 
 def window_payload(codes: Any, meta: Any, **info: int) -> Any:

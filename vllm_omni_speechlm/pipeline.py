@@ -13,6 +13,8 @@ from vllm_omni_speechlm.config import SPEECHLM_KEY
 BAGPIPER_ARCH = "BagpiperForCausalLM"
 # Paired CFG co-scheduling (hidden unconditional companions); plain vLLM scheduling otherwise.
 SPEECH_LM_SCHEDULER = "vllm_omni_speechlm.stage0.scheduler.PairedCFGScheduler"
+# vllm-omni's generation scheduler, unlinking the windows of a request it ends early.
+CODEC_SCHEDULER = "vllm_omni_speechlm.stage1.scheduler.CodecStageScheduler"
 # Stage names (`model_stage`): the API server finds the speech stage by them (serving/speech.py).
 SPEECH_LM_STAGE = "speech_lm"
 CODEC_STAGE = "codec"
@@ -69,6 +71,7 @@ def codec_decoder_stage(**overrides) -> StagePipelineConfig:
         execution_type=StageExecutionType.LLM_GENERATION,
         input_sources=(0,),
         model_arch=CODEC_DECODER_ARCH,
+        scheduler_cls=CODEC_SCHEDULER,
         engine_output_type="audio",
         final_output=True,
         final_output_type="audio",

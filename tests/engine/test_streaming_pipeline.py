@@ -159,6 +159,42 @@ def test_abort_mid_stream_leaves_nothing(gen, reference):
     _assert_matches_reference(gen, reference, chunks, ids, kw)
 
 
+def _stage_process(stage_id: int):
+    """The engine-core process of stage `stage_id` (vllm-omni titles it by stage)."""
+    import psutil
+
+    found = [p for p in psutil.Process().children(recursive=True)
+             if f"StageEngineCoreProc_stage{stage_id}_" in " ".join(p.cmdline())]
+    assert len(found) == 1, [" ".join(p.cmdline()) for p in found]
+    return found[0]
+
+
+def test_windows_stage_1_never_read_are_unlinked_when_it_ends_the_request(gen, reference):
+    """A listener who leaves after stage 0 sent its last window: stage 0 counts every window
+    delivered, so the ones stage 1 has not read yet are stage 1's to unlink. Stage 1 is held
+    still while stage 0 generates the whole answer and the request is aborted; once it runs
+    again it has nearly all windows unread, and none may stay in /dev/shm."""
+    before = shm_names()
+    prompt, sampling, _ = _request(gen, PROMPTS[2], modality="audio", seed=1, max_tokens=160)
+    stage1 = _stage_process(1)
+    stage1.suspend()
+    try:
+        for out in gen.omni.generate([prompt], [sampling, _codec_params()], py_generator=True, use_tqdm=False):
+            if out.stage_id == 0 and out.finished:
+                break
+        assert len(new_shm(before)) >= 2 * 8, f"stage 0 sent few windows: {sorted(new_shm(before))}"
+        gen.omni.engine.abort(list(gen.omni.request_states))
+    finally:
+        stage1.resume()
+    deadline = time.monotonic() + 20
+    while new_shm(before):
+        assert time.monotonic() < deadline, f"windows left unread: {sorted(new_shm(before))}"
+        time.sleep(0.1)
+    kw = dict(modality="audio", seed=2, max_tokens=50)
+    prompt, sampling, ids = _request(gen, PROMPTS[1], **kw)
+    [chunks] = _stream(gen, [(prompt, sampling, ids)]).values()
+    _assert_matches_reference(gen, reference, chunks, ids, kw)
+
 def test_audio_segments_stream_as_espnet_decodes_them(gen, reference):
     """An answer with two audio segments: each is streamed as a clip of its own (windows restart at
     the segment's edge, no codec context crosses it), equal to ESPnet's per-segment decoding."""
