@@ -4,6 +4,7 @@ SharedMemoryConnector: windows put as stage 0 puts them, read and unlinked as st
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -64,9 +65,9 @@ def test_a_window_read_by_stage_1_as_it_ended_the_request_is_skipped(stream):
     receiver = SharedMemoryConnector({"stage_id": 1})
     for i in range(4):
         put(i, last=i == 3)
+    assert receiver.get("0", "1", window_key(external_id, 0, 1)) is not None  # stage 1's reader, as it was ended
     unread = UnreadWindows(receiver)
-    unread.add(external_id, 1)
-    assert receiver.get("0", "1", window_key(external_id, 0, 1)) is not None  # stage 1's reader got there first
+    unread.add(external_id, 1)  # where stage 1 was when it ended the request
     unread.sweep()
     assert left() == sorted([window_key(external_id, 0, 0), f"shm_{window_key(external_id, 0, 0)}_lockfile.lock"])
     assert len(unread) == 0
@@ -106,3 +107,41 @@ def test_the_windows_go_without_a_sweep_call(stream):
     while left() or len(unread):
         assert time.monotonic() < deadline, left()
         time.sleep(0.02)
+
+
+class _SlowConnector(SharedMemoryConnector):
+    """vllm-omni's connector whose reads wait until the test lets them go (slow shared memory)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.reading, self.go = threading.Event(), threading.Event()
+
+    def get(self, *args, **kwargs):
+        self.reading.set()
+        assert self.go.wait(10)
+        return super().get(*args, **kwargs)
+
+
+def test_the_scheduler_does_not_wait_for_a_sweep_and_a_forgotten_stream_stops(stream):
+    """`add` / `forget` run on the scheduler's thread while a sweep reads; a stream forgotten
+    mid-pass (a new request took its id) is read no further."""
+    external_id, put, left = stream
+    for i in range(3):
+        put(i)
+    connector = _SlowConnector({"stage_id": 1})
+    unread = UnreadWindows(connector)
+    unread.add(external_id, 0)
+    assert connector.reading.wait(5)  # the object's thread is inside its first read
+    started = time.monotonic()
+    unread.forget(external_id)
+    unread.add("other-" + external_id, 0)
+    assert time.monotonic() - started < 2  # not blocked until the read ends (it waits for `go`)
+    unread.forget("other-" + external_id)
+    connector.go.set()
+    deadline = time.monotonic() + 5
+    while len(left()) != 4:  # windows 1 and 2 stay (the new request's), with their lock files
+        assert time.monotonic() < deadline, left()
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert left() == sorted(n for i in (1, 2) for n in (window_key(external_id, 0, i),
+                                                       f"shm_{window_key(external_id, 0, i)}_lockfile.lock"))

@@ -42,7 +42,8 @@ class UnreadWindows:
         self._connector = connector
         self._grace_s, self._poll_s = grace_s, poll_s
         self._streams: dict[str, _Unread] = {}  # external request id -> where its unread windows start
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the table's
+        self._sweeping = threading.Lock()  # one pass at a time
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -64,15 +65,21 @@ class UnreadWindows:
 
     def sweep(self) -> None:
         """One pass over every stream: unlink the windows that are there; drop a stream at its
-        last window or past its deadline."""
-        with self._lock:
-            for external_id in list(self._streams):
-                if self._drain(external_id, self._streams[external_id]):
-                    del self._streams[external_id]
+        last window or past its deadline. The table's lock is never held across shared-memory
+        I/O: the scheduler's `add` and `forget` do not wait for a pass (a mass disconnect gives
+        it hundreds of windows)."""
+        with self._sweeping:
+            with self._lock:
+                streams = list(self._streams.items())
+            for external_id, unread in streams:
+                if self._drain(external_id, unread):
+                    with self._lock:
+                        if self._streams.get(external_id) is unread:
+                            del self._streams[external_id]
 
     def _drain(self, external_id: str, unread: _Unread) -> bool:
         source = self._connector.stage_id - 1
-        while True:
+        while self._streams.get(external_id) is unread:  # not forgotten meanwhile
             key = window_key(external_id, source, unread.next_chunk)
             got = self._connector.get(str(source), str(self._connector.stage_id), key)
             if got is None:
@@ -83,6 +90,7 @@ class UnreadWindows:
             unread.deadline = time.monotonic() + self._grace_s
             if got is not None and _is_last(got[0]):
                 return True
+        return False
 
     def _run(self) -> None:
         while True:
