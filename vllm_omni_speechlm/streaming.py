@@ -48,6 +48,10 @@ MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 WINDOW_KEY = "window"
 # Per-request first window, in codec frames, in the prompt's additional_information.
 INITIAL_CHUNK_KEY = "initial_codec_chunk_frames"
+# False in the prompt's additional_information: no codec stage takes this request (a text answer
+# asked for output modalities ["text"]), so stage 0 sends it no window, not even its end: nobody
+# would read (and unlink) them.
+TO_CODEC_KEY = "to_codec_stage"
 MAX_INITIAL_CHUNK_FRAMES = 100  # 2 s at 50 frames/s
 
 

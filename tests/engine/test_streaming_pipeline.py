@@ -458,3 +458,22 @@ def test_windows_wait_while_the_save_thread_is_behind(tiny_bagpiper, long_clip):
     assert ramp[:6] == [2, 2, 4, 8, 16, 25] and merged[0] == 2  # the first window never waits
     assert len(merged) < len(ramp) and max(merged) <= 25 and sum(merged) == sum(ramp)
     print("ramp", ramp, "merged", merged)
+
+
+def test_a_request_no_codec_stage_takes_gets_no_window(tiny_bagpiper, long_clip):
+    """`to_codec_stage: false` (a text answer): not one step reaches the adapter, not even the
+    finish, and the gate keeps nothing after it."""
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings
+    from vllm_omni_speechlm.streaming import TO_CODEC_KEY
+
+    gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper), chunk_settings(TransferManager(tiny_bagpiper)))
+    info = SpeechSamplingParams(modality="audio").to_info() | {TO_CODEC_KEY: False}
+    request = SimpleNamespace(external_req_id="r0", additional_information=info, output_token_ids=[])
+    handed = []
+    for i, row in enumerate(long_clip.tokens):
+        request.output_token_ids.append(int(row[0]))
+        handed.append(gate.offer(request, {"codes": {"audio": row[None]}}, i == len(long_clip.tokens) - 1)[0])
+    assert len(handed) > 100 and not any(handed)
+    assert len(gate) == 0

@@ -488,6 +488,21 @@ def test_transcriptions(client, reference):
     assert {e.type for e in events[:-1]} == {"transcript.text.delta"} and events[-1].type == "transcript.text.done"
 
 
+def test_text_answers_leave_nothing_in_shared_memory(server, client):
+    """A text answer (chat with modalities ["text"], a transcription) gives the codec stage no
+    request, so stage 0 must send it no window: nobody would read (and unlink) it. A speech answer
+    afterwards passes stage 0's save thread (FIFO) after anything the text answers put there."""
+    before = shm_names()
+    _chat(server, seed=2, max_tokens=20)
+    wav, _ = _audio_file(1.2)
+    model = client.models.list().data[0].id
+    client.audio.transcriptions.create(model=model, file=("clip.wav", wav), extra_body={"max_completion_tokens": 10})
+    assert client.audio.speech.create(**_speech(client, max_new_tokens=20)).content
+    deadline = time.monotonic() + 10
+    while new_shm(before):
+        assert time.monotonic() < deadline, f"shared memory left: {sorted(new_shm(before))}"
+        time.sleep(0.1)
+
 def test_concurrent_audio_requests_equal_solo_runs(server):
     wav, _ = _audio_file(0.6)
     bodies = [dict(seed=i, max_tokens=10, temperature=0.8) for i in range(8)]

@@ -44,6 +44,7 @@ from vllm_omni_speechlm.serving import options
 from vllm_omni_speechlm.serving.admission import admitted
 from vllm_omni_speechlm.serving.audio_in import decode_audio, part_audio_bytes
 from vllm_omni_speechlm.serving.model_info import ServedModel, is_speechlm, served_model, stage_names
+from vllm_omni_speechlm.streaming import TO_CODEC_KEY
 from vllm_omni_speechlm.tokenizer import decode_text, encode_prompt, has_text
 
 ROUTE = "/v1/chat/completions"
@@ -203,6 +204,8 @@ async def engine_outputs(engine_client: Any, prompt: dict, stage0: Any, modality
     if len(params) > 1:  # the codec stage streams windows; keep them all (each is new audio)
         params[1].output_kind = RequestOutputKind.DELTA
     modalities = ["text"] if modality == "text" else ["text", "audio"]
+    if modality == "text":  # the codec stage gets no request, so stage 0 must send it no window
+        prompt["additional_information"][TO_CODEC_KEY] = False
     async for out in engine_client.generate(prompt=prompt, request_id=request_id, sampling_params_list=params,
                                             output_modalities=modalities):
         yield out

@@ -36,6 +36,7 @@ from vllm_omni_speechlm.frames import payload_frames
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
     MIN_HOLDBACK_KEY,
+    TO_CODEC_KEY,
     WINDOW_KEY,
     PlayoutPacer,
     first_window,
@@ -50,6 +51,7 @@ logger = init_logger(__name__)
 class _GateState:
     own_first_chunk: int | None  # the request's own first window
     wants_audio: bool  # the answer's modality enforces an audio segment
+    to_codec: bool  # a codec stage takes the request (streaming.TO_CODEC_KEY)
     spoke: bool = False  # an audio row was seen (parallel rules: `audio` restarts at each segment)
     handed: int = 0  # windows the gate decided and handed over
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
@@ -93,6 +95,10 @@ class WindowGate:
         state = self._open.get(ext_id)
         if state is None:
             state = self._open[ext_id] = _GateState(*self._request_options(request))
+        if not state.to_codec:
+            if is_finished:
+                del self._open[ext_id]
+            return False, None
         step = payload_frames(multimodal_output)  # kept as it came: shaped once, when handed over
         ended = False
         if step is not None:
@@ -153,8 +159,8 @@ class WindowGate:
                 ended = True
         return ended
 
-    def _request_options(self, request: Any) -> tuple[int | None, bool]:
-        """(its own first window, whether its modality enforces audio)."""
+    def _request_options(self, request: Any) -> tuple[int | None, bool, bool]:
+        """(its own first window, whether its modality enforces audio, whether a codec stage takes it)."""
         info = deserialize_additional_information(getattr(request, "additional_information", None))
         try:
             first = requested_first_window(info)
@@ -164,7 +170,8 @@ class WindowGate:
             modality = SpeechSamplingParams.from_info(info).resolve(self.cfg).modality
         except (TypeError, ValueError):  # the model rejects the request itself
             modality = OutputMode.AUTO
-        return first, modality in (OutputMode.AUDIO, OutputMode.TEXT_AUDIO)
+        to_codec = (info or {}).get(TO_CODEC_KEY) is not False
+        return first, modality in (OutputMode.AUDIO, OutputMode.TEXT_AUDIO), to_codec
 
     def _warn_if_silent(self, request: Any, state: _GateState) -> None:
         """An answer that had to speak and ends without one audio frame is an error somewhere:
