@@ -98,7 +98,11 @@ def _hook_triton() -> bool:
 
 
 def _spawn_event(event: str, at: float | None = None) -> None:
-    print(f"spawn trace: t={time.time() if at is None else at:.3f} pid={os.getpid()} {event}", file=sys.stderr, flush=True)
+    # One write(2) per line: processes starting together share stderr, and print's separate
+    # newline let their lines run into each other.
+    line = f"spawn trace: t={time.time() if at is None else at:.3f} pid={os.getpid()} {event}\n"
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), line.encode())
 
 
 def _hook_spawns() -> None:
