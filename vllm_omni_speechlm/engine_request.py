@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_omni_speechlm.config import SpeechLMConfig
+from vllm_omni_speechlm.frames import CLIENT_CODES_KEY
 from vllm_omni_speechlm.resample import RATE_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
@@ -16,12 +17,15 @@ from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
 def engine_prompt(
     prompt_ids: list[int], p: SpeechSamplingParams, initial_chunk_frames: int | None = None, audio: list | None = None,
-    sample_rate: int | None = None,
+    sample_rate: int | None = None, client_codes: bool = True,
 ) -> dict:
-    """Stage-0 prompt: token ids plus the speech options (and, optionally, the first window and the
-    codec stage's output rate), and the audio clips of its placeholders in order (vLLM's
-    multimodal data: waveforms at the model's rate, or (waveform, rate) pairs that vLLM resamples)."""
+    """Stage-0 prompt: token ids plus the speech options (and, optionally, the first window, the
+    codec stage's output rate and whether the client reads the frames), and the audio clips of its
+    placeholders in order (vLLM's multimodal data: waveforms at the model's rate, or (waveform,
+    rate) pairs that vLLM resamples)."""
     info = p.to_info()
+    if not client_codes:
+        info[CLIENT_CODES_KEY] = False
     if initial_chunk_frames is not None:
         info[INITIAL_CHUNK_KEY] = initial_chunk_frames
     if sample_rate is not None:

@@ -8,7 +8,8 @@ streams; pad 0 on non-audio rows). On its way out of stage 0 a step's frames are
                asks for vllm-omni's generic payloads (`FRAME_ROWS_KWARG` false)
     runner     `StepOutputs`: the buffer whole, with each row's other payloads (stage0/runner.py)
     scheduler  per request, [k, S] blocks of frames under `CODES_KEY` (stage0/client_frames.py)
-    client     vllm-omni concatenates them into [L, S] under `codes.audio`
+    client     vllm-omni concatenates them into [L, S] under `codes.audio` (unless the
+               request's prompt says `CLIENT_CODES_KEY` false)
 
 With async_chunk streaming the chunk adapter gets the same rows, as `{"codes": {"audio": [k, S]}}`
 (stage0/window_gate.py, stage_input_processors/speech_codec.py).
@@ -23,6 +24,9 @@ from typing import Any
 import torch
 
 CODES_KEY = "codes.audio"  # the client's key of the frames (vllm-omni flattens nested keys)
+# False in a prompt's additional_information: the client reads no frames (the HTTP routes take
+# audio from a codec or fused stage and text from the token ids), so the scheduler sends none.
+CLIENT_CODES_KEY = "client_codes"
 # make_omni_output keyword: the runner takes the step's frames as one `FrameRows` (stage0/runner.py)
 FRAME_ROWS_KWARG = "frame_rows"
 

@@ -98,3 +98,28 @@ def test_slots_are_reused_and_grow():
     assert len(blocks) == 0 and len(blocks._count) == 128
     out = _step(blocks, 0, rows=("a",), finished={"a"})["a"]
     assert _frames(out) == [0]  # nothing left over from the slot's last owner
+
+
+def test_a_request_whose_client_reads_no_frames_gets_none():
+    """The HTTP routes' prompts say `client_codes: false` (engine_prompt): such a request's outputs
+    carry no frames and take no slot, to its end; the others' are unchanged."""
+    from vllm_omni_speechlm.engine_request import engine_prompt
+    from vllm_omni_speechlm.frames import CLIENT_CODES_KEY
+    from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
+
+    http = engine_prompt([1, 2], SpeechSamplingParams(), client_codes=False)["additional_information"]
+    assert http[CLIENT_CODES_KEY] is False
+    assert CLIENT_CODES_KEY not in engine_prompt([1, 2], SpeechSamplingParams())["additional_information"]
+    blocks, sent = ClientFrameBlocks(S, block=4), {"a": [], "b": []}
+    blocks.admit("a", http)
+    blocks.admit("b", {})
+    for step in range(6):
+        outs = _step(blocks, step, rows=("a", "b"), finished={"a", "b"} if step == 5 else set())
+        for r, out in outs.items():
+            sent[r] += _frames(out)
+            assert out.multimodal_output["other"] is not None
+    assert sent == {"a": [], "b": [100 + step for step in range(6)]}
+    blocks.forget("a", after_this_step=True)
+    blocks.forget("b", after_this_step=True)
+    _step(blocks, 6, rows=())
+    assert len(blocks) == 0 and not blocks._unread

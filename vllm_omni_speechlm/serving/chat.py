@@ -177,7 +177,7 @@ def build_request(request: Any, model: ServedModel, messages: Any) -> tuple[dict
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     limit = options.max_tokens(requested, model.token_budget(len(ids)), field)
     params = dataclasses.replace(params, max_tokens=limit).resolve(model.cfg)
-    return engine_prompt(ids, params, audio=clips), stage0_sampling_params(model.cfg, params), modality
+    return engine_prompt(ids, params, audio=clips, client_codes=False), stage0_sampling_params(model.cfg, params), modality
 
 
 def _audio_chunks(output: Any) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ encoding on the output thread (~10 ms at 512 requests) that stalls the schedulin
 The client concatenates what it gets into the same [L, S].
 
 A request whose client may end it on text it sees (stop strings: vLLM checks them in the client)
-gets its frame every step, so nothing is held when the client stops it.
+gets its frame every step, so nothing is held when the client stops it. One whose client reads no
+frames (`CLIENT_CODES_KEY` false: the HTTP routes) gets none.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_speechlm.frames import CODES_KEY, StepOutputs
+from vllm_omni_speechlm.frames import CLIENT_CODES_KEY, CODES_KEY, StepOutputs
 
 FRAME_BLOCK_STEPS = 16
 
@@ -41,6 +42,12 @@ class ClientFrameBlocks:
         self._due_at = np.zeros(0, dtype=np.int64)  # frames to hold before sending (module docstring)
         self._every_step = np.zeros(0, dtype=bool)  # the slot's client may stop it (stop strings)
         self._gone: list[str] = []  # freed in this step's update: closed after `regroup`
+        self._unread: set[str] = set()  # requests whose client reads no frames
+
+    def admit(self, request_id: str, info: dict) -> None:
+        """A new request, with its prompt's additional information."""
+        if info.get(CLIENT_CODES_KEY) is False:
+            self._unread.add(request_id)
 
     def regroup(self, outputs: list[Any], runner_outputs: StepOutputs | None, row_of: dict[str, int], requests: dict) -> None:
         """In place, on all of one step's EngineCore outputs (every client's; called once a step):
@@ -48,7 +55,8 @@ class ClientFrameBlocks:
         until it has `block` of them or finishes; then attach them to its output as one tensor.
         Without a step buffer (vllm-omni's prefix-cache path) the outputs carry their own frames."""
         if runner_outputs is not None:
-            outs = [o for o in outputs if o.new_token_ids or o.finish_reason is not None]
+            outs = [o for o in outputs
+                    if (o.new_token_ids or o.finish_reason is not None) and o.request_id not in self._unread]
             if outs:
                 self._hold_and_send(outs, runner_outputs.frames.host.numpy(), row_of, requests)
         for request_id in self._gone:
@@ -100,6 +108,7 @@ class ClientFrameBlocks:
     def forget(self, request_id: str, *, after_this_step: bool) -> None:
         """The request is freed. Freed while its step's outputs are built (it stopped: its last
         output still comes to `regroup`), its frames go after that; otherwise (aborted) now."""
+        self._unread.discard(request_id)
         if after_this_step:
             self._gone.append(request_id)
         else:

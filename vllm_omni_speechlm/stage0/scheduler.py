@@ -117,17 +117,15 @@ class _PairedCFGMixin:
     def add_request(self, request: Any) -> None:
         started = time.perf_counter()
         super().add_request(request)
-        mode = self._guided_mode(request)
+        payload = getattr(request, "additional_information", None)
+        info = deserialize_additional_information(payload) if payload is not None else {}
+        self.frame_blocks.admit(request.request_id, info)
+        mode = guided_mode(info, self.speech)
         if mode is not None:
             self._guided[request.request_id] = mode
             if enforced_kind(mode, 0) == RowKind.FORCE_AUDIO:  # opens with a guided segment: pair from arrival
                 self._add_companion(request, request.num_prompt_tokens, None, first_row=1)
         window_trace.log_admitted(getattr(request, "arrival_time", None), started)
-
-    def _guided_mode(self, request: Any) -> OutputMode | None:
-        payload = getattr(request, "additional_information", None)
-        info = deserialize_additional_information(payload) if payload is not None else {}
-        return guided_mode(info, self.speech)
 
     def _start_guided_segments(self) -> None:
         """Give each guided main whose next step computes a guided segment's first row its
