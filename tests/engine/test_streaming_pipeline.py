@@ -20,6 +20,7 @@ from conftest import (TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, TransferManager, espnet
                       shm_names)
 
 from vllm_omni_speechlm import stage_configs
+from vllm_omni_speechlm.frames import CLIENT_CODES_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
 
@@ -111,6 +112,28 @@ def test_per_request_first_window(gen, reference):
     [chunks] = _stream(gen, [(prompt, sampling, ids)]).values()
     assert [c.numel() // HOP for c in chunks[:4]] == [3, 3, 6, 12]
     _assert_matches_reference(gen, reference, chunks, ids, kw)
+
+
+def test_a_client_that_reads_no_frames_gets_none(gen, reference):
+    """The HTTP routes' prompts say `client_codes: false`: stage 0's outputs then carry no
+    `codes.audio` while the audio streams as before; a request without the key gets every row."""
+    kw = dict(modality="audio", seed=4, max_tokens=60)
+    requests = [_request(gen, PROMPTS[0], {CLIENT_CODES_KEY: False}, **kw), _request(gen, PROMPTS[0], **kw)]
+    rows, chunks = defaultdict(list), defaultdict(list)
+    outs = gen.omni.generate([r[0] for r in requests], [requests[0][1], _codec_params()], py_generator=True,
+                             use_tqdm=False)
+    for out in outs:
+        i = int(out.request_id.split("_", 1)[0])
+        mm = out.multimodal_output or {}
+        if out.stage_id == 0:
+            rows[i].append(mm.get("codes", {}).get("audio"))
+        elif mm.get("audio") is not None and mm["audio"].numel():
+            chunks[i].append(mm["audio"].reshape(-1).float())
+    ref = reference.generate(requests[1][2], SpeechSamplingParams(**kw))
+    assert rows[0] and all(r is None for r in rows[0])
+    assert torch.equal(rows[1][-1], ref.tokens)
+    for i in (0, 1):
+        _assert_matches_reference(gen, reference, chunks[i], requests[i][2], kw)
 
 
 def test_concurrent_requests_no_crosstalk(gen, reference):

@@ -177,7 +177,8 @@ def build_request(request: Any, model: ServedModel, messages: Any) -> tuple[dict
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     limit = options.max_tokens(requested, model.token_budget(len(ids)), field)
     params = dataclasses.replace(params, max_tokens=limit).resolve(model.cfg)
-    return engine_prompt(ids, params, audio=clips, client_codes=False), stage0_sampling_params(model.cfg, params), modality
+    prompt = engine_prompt(ids, params, audio=clips, client_codes=False)
+    return prompt, stage0_sampling_params(model.cfg, params), modality
 
 
 def _audio_chunks(output: Any) -> list[torch.Tensor]:
@@ -203,8 +204,9 @@ async def engine_outputs(engine_client: Any, prompt: dict, stage0: Any, modality
         params[0].output_kind = RequestOutputKind.DELTA
     if len(params) > 1:  # the codec stage streams windows; keep them all (each is new audio)
         params[1].output_kind = RequestOutputKind.DELTA
-    modalities = ["text"] if modality == "text" else ["text", "audio"]
+    modalities = ["text", "audio"]
     if modality == "text":  # the codec stage gets no request, so stage 0 must send it no window
+        modalities = ["text"]
         prompt["additional_information"][TO_CODEC_KEY] = False
     async for out in engine_client.generate(prompt=prompt, request_id=request_id, sampling_params_list=params,
                                             output_modalities=modalities):

@@ -57,7 +57,8 @@ def build_request(request: Any, sent: set[str], data: bytes, model: ServedModel)
     params = options.sampling_params("text", text_options, seed=request.seed)
     limit = options.max_tokens(request.max_completion_tokens, model.token_budget(len(ids)), "max_completion_tokens")
     params = dataclasses.replace(params, max_tokens=limit).resolve(model.cfg)
-    return engine_prompt(ids, params, audio=[clip], client_codes=False), stage0_sampling_params(model.cfg, params), clip[0].size / clip[1]
+    prompt = engine_prompt(ids, params, audio=[clip], client_codes=False)
+    return prompt, stage0_sampling_params(model.cfg, params), clip[0].size / clip[1]
 
 
 async def _deltas(engine_client: Any, text: TextStream, prompt: dict, stage0: Any, request_id: str, stream: bool):

@@ -100,6 +100,7 @@ class ClientFrameBlocks:
         self._free += range(size - 1, old - 1, -1)
 
     def _close(self, request_id: str) -> None:
+        self._unread.discard(request_id)
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self._count[slot] = 0
@@ -108,7 +109,6 @@ class ClientFrameBlocks:
     def forget(self, request_id: str, *, after_this_step: bool) -> None:
         """The request is freed. Freed while its step's outputs are built (it stopped: its last
         output still comes to `regroup`), its frames go after that; otherwise (aborted) now."""
-        self._unread.discard(request_id)
         if after_this_step:
             self._gone.append(request_id)
         else:
