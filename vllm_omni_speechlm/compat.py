@@ -89,9 +89,13 @@ HOOKS = (
     Hook(_OMNI_SCHED, "kv_transfer_criteria", "attribute"),
     Hook(_OMNI_SCHED, "_new_prompt_len_snapshot", "attribute"),
     Hook(_SCHED, "perf_metrics", "attribute"),
+    Hook(_SCHED, "cache_config", "attribute"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager", "watermark_blocks", "attribute"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager", "estimate_cached_tokens", "call", "self, request"),
     Hook(_REQUEST, "_block_hasher", "attribute"),
+    Hook(_REQUEST, "cache_salt", "attribute"),  # salt_prefix_blocks
+    Hook(_REQUEST, "block_hashes", "attribute"),
+    Hook(_REQUEST, "update_block_hashes", "call", "self"),
     Hook(_REQUEST, "num_output_placeholders", "attribute"),
     Hook(_REQUEST, "num_in_flight_tokens", "attribute"),
     Hook(_REQUEST, "num_stale_output_tokens", "attribute"),
@@ -138,6 +142,10 @@ HOOKS = (
          "_OmniConnectorPayloadTransportMixin", "_should_accumulate_full_payload_output", "call", "self"),
     Hook(_AR_RUNNER, "_async_chunk", "attribute"),
     Hook(_AR_RUNNER, "omni_prefix_cache", "attribute"),
+    # without_omni_prefix_cache: vllm-omni stages its cache's config here, built on the first step
+    Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "initialize_metadata_builders", "override",
+         "self, kv_cache_config, kernel_block_sizes"),
+    Hook(_AR_RUNNER, "_omni_prefix_cache_cfg", "attribute"),
     Hook(_AR_RUNNER, "model_intermediate_buffer", "attribute"),
     Hook(_RUNNER, "discard_request_mask", "attribute"),
     Hook(_RUNNER, "_compute_prev_positions", "override", "self, num_reqs"),
@@ -463,6 +471,23 @@ def launch_slot_mapping_kernel(model_runner: Any) -> None:
     for num_reqs in (1, 2):
         block_table.compute_slot_mapping(num_reqs, model_runner.query_start_loc.gpu[: num_reqs + 1],
                                          model_runner.positions[: 2 * num_reqs])
+
+
+def salt_prefix_blocks(request: Any, salt: str) -> None:
+    """Rehash a request's blocks under vLLM's cache salt, which goes into its first block's hash
+    and so into every block chained after it: no other request's blocks match its own."""
+    request.cache_salt = salt
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def without_omni_prefix_cache(model_runner: Any) -> None:
+    """With vLLM's prefix caching on, vllm-omni also keeps each step's hidden states and per-token
+    outputs for prefix hits to return. The speech LM returns nothing for prompt positions (its
+    frames come from sampling steps), so that cache would only cost copies and take its per-request
+    payload path; vLLM's KV block reuse stays. Called after `initialize_metadata_builders` staged
+    the cache's config, before the first step builds it."""
+    model_runner._omni_prefix_cache_cfg = None
 
 
 def compile_cpu_random_sample(vocab_size: int) -> None:

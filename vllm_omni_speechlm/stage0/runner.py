@@ -38,7 +38,8 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
-from vllm_omni_speechlm.compat import drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup
+from vllm_omni_speechlm.compat import (drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup,
+                                       without_omni_prefix_cache)
 from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
 
@@ -63,6 +64,10 @@ class RowInfo:
 
 class SpeechLMRunnerMixin:
     """Batched replacements of vllm-omni AR runner steps (see the module docstring)."""
+
+    def initialize_metadata_builders(self, kv_cache_config: Any, kernel_block_sizes: Any) -> None:
+        super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
+        without_omni_prefix_cache(self)
 
     def _build_model_kwargs_extra(self) -> dict:
         self._sync_local_stage_payloads()

@@ -53,7 +53,7 @@ from vllm_omni.request import OmniRequest
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.cfg import companion_id, guided_mode, is_companion, unconditional_prompt
-from vllm_omni_speechlm.compat import gate_chunk_sends
+from vllm_omni_speechlm.compat import gate_chunk_sends, salt_prefix_blocks
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode, RowKind, enforced_kind
 from vllm_omni_speechlm.frames import StepOutputs
@@ -116,6 +116,10 @@ class _PairedCFGMixin:
     # ---- arrival and guided segments --------------------------------------------------------
     def add_request(self, request: Any) -> None:
         started = time.perf_counter()
+        if self.cache_config.enable_prefix_caching and max(request.prompt_token_ids or [0]) >= self.speech.codec_start:
+            # Codec ids are audio rows: their KV depends on streams the block hash leaves out
+            # (docs/architecture.md, "Prefix caching"), so such a prompt shares no block.
+            salt_prefix_blocks(request, f"codec-ids:{request.request_id}")
         super().add_request(request)
         payload = getattr(request, "additional_information", None)
         info = deserialize_additional_information(payload) if payload is not None else {}
