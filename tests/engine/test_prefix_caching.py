@@ -19,7 +19,6 @@ from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 CACHING = dict(enable_prefix_caching=True, block_size=32)
 SYSTEM = "You are a helpful assistant who answers every question in speech, clearly and briefly, always."
 PROMPTS = ["Hi.", "Say hello to the world.", "What time is it in the morning?"]
-HOP = 320
 ATOL = 1e-4  # as the streaming tests: float32 rounding through the codec
 
 

@@ -135,7 +135,7 @@ class SpeechLMSpeechAdapter(ARTTSAdapter):
         ids = encode_prompt(model.tokenizer, model.cfg, request.input, system=system)
         first = initial_chunk_frames(request.initial_codec_chunk_frames, "initial_codec_chunk_frames")
         prompt = engine_prompt(ids, self._params(request, len(ids)), first, sample_rate=self._output_rate(request),
-                              client_codes=False)
+                               client_codes=False)
         return PreparedRequest(prompt=prompt, model_type=self.name)
 
     def apply_sampling_overrides(
