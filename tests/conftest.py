@@ -5,6 +5,7 @@ vllm-omni engines in this process, CPU), `server` (`vllm serve` driven over HTTP
 runs all; `make test PYTEST_ARGS="-m unit"` one tier.
 """
 
+import contextlib
 import functools
 import os
 from collections import defaultdict, deque
@@ -183,9 +184,23 @@ def _shm_mapped_by_others() -> set[str]:
     return mapped
 
 
+def _live_semaphores() -> set[str]:
+    """Python's multiprocessing semaphores this process holds open (`sem.mp-*`): live queues and
+    locks, which its resource tracker unlinks when they are freed or at exit; not a leak. glibc
+    maps a semaphore under a temporary name, so it is matched by inode."""
+    with open("/proc/self/maps") as f:
+        inodes = {int(line.split()[4]) for line in f if SHM_DIR + "/" in line}
+    live = set()
+    for name in shm_names():
+        with contextlib.suppress(OSError):
+            if name.startswith("sem.mp-") and os.stat(os.path.join(SHM_DIR, name)).st_ino in inodes:
+                live.add(name)
+    return live
+
+
 def new_shm(before: set[str]) -> set[str]:
     """Segments created since `before` that are this run's (held by it, or by nobody: leaked)."""
-    return (shm_names() - before) - _shm_mapped_by_others()
+    return (shm_names() - before) - _shm_mapped_by_others() - _live_semaphores()
 
 
 # --- the OpenAI-compatible server (tests/test_serving_*.py) -------------------------------------
