@@ -184,14 +184,14 @@ def _shm_mapped_by_others() -> set[str]:
     return mapped
 
 
-def _live_semaphores() -> set[str]:
-    """Python's multiprocessing semaphores this process holds open (`sem.mp-*`): live queues and
-    locks, which its resource tracker unlinks when they are freed or at exit; not a leak. glibc
-    maps a semaphore under a temporary name, so it is matched by inode."""
+def _live_semaphores(names: set[str]) -> set[str]:
+    """Of `names`, Python's multiprocessing semaphores this process holds open (`sem.mp-*`): live
+    queues and locks, which its resource tracker unlinks when they are freed or at exit; not a
+    leak. glibc maps a semaphore under a temporary name, so it is matched by inode."""
     with open("/proc/self/maps") as f:
         inodes = {int(line.split()[4]) for line in f if SHM_DIR + "/" in line}
     live = set()
-    for name in shm_names():
+    for name in names:
         with contextlib.suppress(OSError):
             if name.startswith("sem.mp-") and os.stat(os.path.join(SHM_DIR, name)).st_ino in inodes:
                 live.add(name)
@@ -200,7 +200,8 @@ def _live_semaphores() -> set[str]:
 
 def new_shm(before: set[str]) -> set[str]:
     """Segments created since `before` that are this run's (held by it, or by nobody: leaked)."""
-    return (shm_names() - before) - _shm_mapped_by_others() - _live_semaphores()
+    new = shm_names() - before
+    return new - _shm_mapped_by_others() - _live_semaphores(new)
 
 
 # --- the OpenAI-compatible server (tests/test_serving_*.py) -------------------------------------

@@ -141,7 +141,6 @@ HOOKS = (
     Hook("vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport:"
          "_OmniConnectorPayloadTransportMixin", "_should_accumulate_full_payload_output", "call", "self"),
     Hook(_AR_RUNNER, "_async_chunk", "attribute"),
-    Hook(_AR_RUNNER, "omni_prefix_cache", "attribute"),
     # without_omni_prefix_cache: vllm-omni stages its cache's config here, built on the first step
     Hook("vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner", "initialize_metadata_builders", "override",
          "self, kv_cache_config, kernel_block_sizes"),

@@ -53,7 +53,7 @@ class ClientFrameBlocks:
         """In place, on all of one step's EngineCore outputs (every client's; called once a step):
         hold each request's frame (its row, `row_of[request id]`, of the runner's step buffer)
         until it has `block` of them or finishes; then attach them to its output as one tensor.
-        Without a step buffer (vllm-omni's prefix-cache path) the outputs carry their own frames."""
+        Without a step buffer (vllm-omni's own runner) the outputs carry their own frames."""
         if runner_outputs is not None:
             outs = [o for o in outputs
                     if (o.new_token_ids or o.finish_reason is not None) and o.request_id not in self._unread]

@@ -14,8 +14,9 @@ nothing else writes (`FrameRows`). So this runner passes the information as a la
 takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled < tokens), and
 hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
 in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
-connector accumulating full payloads, no prefix cache), vllm-omni's per-request builder is
-skipped; otherwise it puts each request's frame view in its payload as it is. Deploy YAMLs
+connector accumulating full payloads), vllm-omni's per-request builder is skipped; otherwise it
+puts each request's frame view in its payload as it is. vllm-omni's own prefix cache is left out
+(`compat.without_omni_prefix_cache`), so with vLLM's prefix caching on the frames still go whole. Deploy YAMLs
 select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
 `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
 loops of an async-scheduled step (`runner_loops.py`).
@@ -76,14 +77,13 @@ class SpeechLMRunnerMixin:
         extra: dict[str, Any] = {"model_intermediate_buffer": info, "runtime_additional_information": info}
         # vLLM set the mask for this step in _prepare_inputs: rows whose prompt is not all in yet.
         extra["request_sample_eligible"] = ~self.discard_request_mask.np[:num_reqs]
-        # With prefix caching, payloads come from vllm-omni's merged cache path instead.
-        extra[FRAME_ROWS_KWARG] = self.omni_prefix_cache is None
+        extra[FRAME_ROWS_KWARG] = True
         return extra
 
     def _client_only_payloads(self) -> bool:
         """The step's payloads go to the client only: no async chunks (inter-stage payloads),
-        no connector accumulating full payloads, no prefix cache (merged payloads)."""
-        return not self._async_chunk and self.omni_prefix_cache is None and not self._should_accumulate_full_payload_output()
+        no connector accumulating full payloads."""
+        return not self._async_chunk and not self._should_accumulate_full_payload_output()
 
     def _resolve_pooler_payload_req_ids(self, req_ids_output_copy: list[str]) -> tuple[str, list[str]]:
         if not self._client_only_payloads():
@@ -95,7 +95,7 @@ class SpeechLMRunnerMixin:
         output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
         flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
         frames = flat.get(CODES_KEY)
-        if not isinstance(frames, FrameRows):  # prefix cache: per-row views, vllm-omni's way
+        if not isinstance(frames, FrameRows):  # no step buffer: vllm-omni's payloads as they are
             return output
         if len(frames.samples) != len(output.req_ids):
             raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
