@@ -4,6 +4,7 @@ the streaming path; the user's numbers come from serve_load.py).
     python benchmarks/codec_decode.py --out results.json          # GPU: the released X-Codec geometry
     python benchmarks/codec_decode.py --tiny --out /tmp/cd.json   # CPU smoke run
     python benchmarks/codec_decode.py --graphs --out results.json # GPU: eager against CUDA graphs
+    python benchmarks/codec_decode.py --graphs --fused --out r.json # ... and graphs with one-kernel Snakes
 
 `SpeechLMCodecDecoder.decode_windows` (what the stage's forward calls) on B windows at once, timed
 with the device synchronized, median of --repeats after 3 warm-up calls; also the first call's
@@ -15,7 +16,10 @@ gives. The stage decodes them at its shape buckets (`models/codec_stage.py`: 16-
 bucketed batches), as it does when serving. Per case: ms per step, windows per second, and new audio
 seconds decoded per wall second. With --graphs, each case also runs on the stage's decode graphs
 (`models/codec_graphs.py`, recorded for the shipped YAML's shapes first): `graphs_ms_per_step` and
-the largest difference of any audio sample from the eager decode (`graphs_max_abs_diff`).
+the largest difference of any audio sample from the eager decode (`graphs_max_abs_diff`). With
+--fused, the same on graphs recorded with the Snake activations as one kernel each (`codec/fused_snake.py`), as the stage decodes by
+default on CUDA (`fused_ms_per_step`, `fused_max_abs_diff`); `audio_max_abs`: the eager decode's
+largest sample, the scale of those differences.
 """
 
 from __future__ import annotations
@@ -72,7 +76,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--graphs", action="store_true", help="also on the decode graphs (CUDA), against eager")
+    ap.add_argument("--fused", action="store_true", help="also on graphs with the one-kernel Snakes, against eager")
     args = ap.parse_args()
+    if (args.graphs or args.fused) and not torch.cuda.is_available():
+        ap.error("--graphs and --fused need CUDA")
     from vllm_omni_speechlm.models.codec_stage import SpeechLMCodecDecoder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,11 +87,11 @@ def main() -> None:
     model_dir = write_checkpoint(tempfile.mkdtemp(prefix="codec-decode-"), args.tiny)
     decoder = SpeechLMCodecDecoder.from_model_dir(model_dir, device)
     q, codebook = decoder.num_quantizers, decoder.codec.config.codebook_size
-    graphed = None
-    if args.graphs:
-        graphed = SpeechLMCodecDecoder.from_model_dir(model_dir, device, graphs=True)
-        with torch.inference_mode():  # the shipped YAML's shapes: 256 windows of <= 60 frames, 32768 codes a step
-            graphed.warm_up(max(args.batch), 60, 32768)
+    variants = {}  # name -> a decoder on graphs, recorded for the shipped YAML's shapes
+    for name in [n for n in ("graphs", "fused") if getattr(args, n)]:
+        variants[name] = SpeechLMCodecDecoder.from_model_dir(model_dir, device, graphs=True, fused=name == "fused")
+        with torch.inference_mode():  # 256 windows of <= 60 frames, 32768 codes a step
+            variants[name].warm_up(max(args.batch), 60, 32768)
     cases = {f"T={left + new + HOLDBACK}": [(left, new)] for left, new in RAMP} | {"ramp": RAMP}
     report = {"benchmark": "codec_decode", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
               "settings": vars(args), "results": {}}
@@ -96,11 +103,14 @@ def main() -> None:
                 new_audio = sum(new for _, new in (lengths[i % len(lengths)] for i in range(batch))) / FRAME_RATE
                 report["results"][f"{name} B={batch}"] = {
                     "ms_per_step": seconds * 1e3, "first_call_ms": first * 1e3, "windows_per_s": batch / seconds, "audio_s_per_wall_s": new_audio / seconds}
-                if graphed is not None:
-                    _, graph_s = time_step(graphed, codes, infos, args.repeats, sync)
-                    diff = max(float((a - b).abs().max()) for a, b in zip(decoder.decode_windows(codes, infos),
-                                                                       graphed.decode_windows(codes, infos)) if a.numel())
-                    report["results"][f"{name} B={batch}"] |= {"graphs_ms_per_step": graph_s * 1e3, "graphs_max_abs_diff": diff}
+                want = decoder.decode_windows(codes, infos)
+                if variants:
+                    report["results"][f"{name} B={batch}"]["audio_max_abs"] = max(float(a.abs().max()) for a in want)
+                for variant, other in variants.items():
+                    _, other_s = time_step(other, codes, infos, args.repeats, sync)
+                    diff = max(float((a - b).abs().max()) for a, b in zip(want, other.decode_windows(codes, infos)) if a.numel())
+                    report["results"][f"{name} B={batch}"] |= {f"{variant}_ms_per_step": other_s * 1e3,
+                                                               f"{variant}_max_abs_diff": diff}
                 print(f"{name} B={batch}", json.dumps(report["results"][f"{name} B={batch}"]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 

@@ -122,21 +122,55 @@ def test_decode_graphs_give_the_eager_decode_and_unrecorded_shapes_run_eagerly(t
     assert len(graphed._graphs) == 6
 
 
-@pytest.mark.parametrize("switch, graphs_note", [
-    (True, ["codec stage: speech_lm_codec_graphs needs CUDA; decoding eagerly on cpu"]),  # asked for: said aloud
-    (None, []),  # the default: graphs where the stage runs on CUDA, silently eager elsewhere
-    (False, []),
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a Triton kernel")
+@pytest.mark.parametrize("family", ["bagpiper", "opuslm"])  # X-Codec, DAC
+def test_fused_snakes_give_the_eager_samples_on_graphs_too(tmp_path, family):
+    """The one-kernel Snake runs the eager expression's operations in the same order: the same
+    samples, bit for bit, eagerly and replayed from the decode graphs."""
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    make_tiny(family, tmp_path, seed=0)
+    eager = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda")
+    fused = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda", fused=True)
+    graphed = SpeechLMCodecDecoder.from_model_dir(str(tmp_path), "cuda", graphs=True, fused=True)
+    q, size = eager.num_quantizers, eager.codec.config.codebook_size
+    with torch.inference_mode():
+        graphed.warm_up(4, 30, 4096)
+        for batch, frames in ((1, 12), (3, 30), (4, 45)):  # graphed, graphed, a shape without a graph
+            codes = [torch.randint(0, size, (frames * q,), device="cuda") for _ in range(batch)]
+            infos = [{"meta": {"left_context_size": 0, "right_holdback_size": 10}}] * batch
+            want = eager.decode_windows(codes, infos)
+            for other in (fused, graphed):
+                for a, b in zip(want, other.decode_windows(codes, infos)):
+                    torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_fused_snakes_need_cuda(tmp_path):
+    from vllm_omni_speechlm.make_tiny import make_tiny
+
+    make_tiny("bagpiper", tmp_path, seed=0)
+    with pytest.raises(ValueError, match="fused Snakes need a decoder on CUDA, not cpu"):
+        SpeechLMCodecDecoder.from_model_dir(str(tmp_path), fused=True)
+
+
+@pytest.mark.parametrize("key", ["speech_lm_codec_graphs", "speech_lm_codec_fused_snake"])
+@pytest.mark.parametrize("switch, warns", [
+    (True, True),  # asked for: said aloud
+    (None, False),  # the default: on where the stage runs on CUDA, silently off elsewhere
+    (False, False),
 ])
-def test_decode_graphs_off_cuda_decode_eagerly(tmp_path, switch, graphs_note):
-    """`additional_config: {speech_lm_codec_graphs: ...}` on a CPU stage: eager decoding, with a
-    warning only when the graphs were asked for."""
-    stage, seen = _cpu_codec_stage(tmp_path, {} if switch is None else {"speech_lm_codec_graphs": switch})
-    assert stage._graphs is None and seen == graphs_note
+def test_cuda_switches_off_cuda_decode_eagerly(tmp_path, key, switch, warns):
+    """`additional_config: {speech_lm_codec_graphs / _fused_snake: ...}` on a CPU stage: the plain
+    eager decode, with a warning only when the speed-up was asked for."""
+    stage, seen = _cpu_codec_stage(tmp_path, {} if switch is None else {key: switch})
+    assert stage._graphs is None and all(m.inv_alpha is None for m in stage.codec.modules() if hasattr(m, "inv_alpha"))
+    assert seen == ([f"codec stage: {key} needs CUDA; decoding eagerly on cpu"] if warns else [])
 
 
-def test_a_decode_graphs_switch_that_is_not_a_bool_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="additional_config.speech_lm_codec_graphs: expected true or false"):
-        _cpu_codec_stage(tmp_path, {"speech_lm_codec_graphs": "yes"})
+@pytest.mark.parametrize("key", ["speech_lm_codec_graphs", "speech_lm_codec_fused_snake"])
+def test_a_cuda_switch_that_is_not_a_bool_is_refused(tmp_path, key):
+    with pytest.raises(ValueError, match=f"additional_config.{key}: expected true or false"):
+        _cpu_codec_stage(tmp_path, {key: "yes"})
 
 
 def _cpu_codec_stage(model_dir, additional_config: dict) -> tuple[SpeechLMCodecDecoder, list[str]]:

@@ -38,7 +38,8 @@ from torch import nn
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.codec import load_codec_decoder
-from vllm_omni_speechlm.config import CODEC_GRAPHS_KEY, SpeechLMConfig
+from vllm_omni_speechlm.codec.xcodec import fuse_snakes
+from vllm_omni_speechlm.config import CODEC_FUSED_KEY, CODEC_GRAPHS_KEY, SpeechLMConfig
 from vllm_omni_speechlm.models.codec_graphs import DecodeGraphs
 from vllm_omni_speechlm.resample import requested_rate, resample
 from vllm_omni_speechlm.streaming import max_window_ids, window_settings
@@ -77,18 +78,18 @@ def frame_bucket(frames: int) -> int:
     return -(-frames // FRAME_BUCKET) * FRAME_BUCKET
 
 
-def _decode_graphs(vllm_config: Any) -> bool:
-    """Whether the stage decodes on CUDA graphs: on CUDA unless `additional_config` sets
-    `speech_lm_codec_graphs: false`; asked for elsewhere, a warning and eager decoding."""
+def _cuda_switch(vllm_config: Any, key: str) -> bool:
+    """Whether a CUDA-only speed-up of the decode is on: on CUDA unless `additional_config` sets
+    `key: false`; asked for elsewhere, a warning and the plain eager decode."""
     switches = getattr(vllm_config, "additional_config", None)
-    asked = switches.get(CODEC_GRAPHS_KEY) if isinstance(switches, dict) else None
+    asked = switches.get(key) if isinstance(switches, dict) else None
     if asked is not None and not isinstance(asked, bool):
-        raise ValueError(f"additional_config.{CODEC_GRAPHS_KEY}: expected true or false, got {asked!r}")
+        raise ValueError(f"additional_config.{key}: expected true or false, got {asked!r}")
     device = vllm_config.device_config.device
     if torch.device(device).type == "cuda":
         return asked is not False
     if asked:
-        logger.warning("codec stage: %s needs CUDA; decoding eagerly on %s", CODEC_GRAPHS_KEY, device)
+        logger.warning("codec stage: %s needs CUDA; decoding eagerly on %s", key, device)
     return False
 
 
@@ -111,16 +112,21 @@ class SpeechLMCodecDecoder(nn.Module):
             (sched.max_num_seqs, max_window_ids(window_settings(extra), self.num_quantizers) // self.num_quantizers,
              sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
         )
-        if _decode_graphs(vllm_config):
+        if _cuda_switch(vllm_config, CODEC_FUSED_KEY):
+            fuse_snakes(self.codec)
+        if _cuda_switch(vllm_config, CODEC_GRAPHS_KEY):
             self._graphs = DecodeGraphs(self.codec.decode)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False) -> SpeechLMCodecDecoder:
+    def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False,
+                       fused: bool = False) -> SpeechLMCodecDecoder:
         """The same stage model outside an engine (tests, tools); `graphs`: decode on CUDA graphs
-        of the shapes `warm_up` meets."""
+        of the shapes `warm_up` meets; `fused`: the Snake activations compiled (`fuse_snakes`)."""
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model._setup(model_dir, device)
+        if fused:
+            fuse_snakes(model.codec)
         model._graphs = DecodeGraphs(model.codec.decode) if graphs else None
         return model
 
