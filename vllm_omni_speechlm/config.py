@@ -23,7 +23,7 @@ from typing import Any
 
 STEP_GRAPHS_KEY = "speech_lm_step_graphs"  # additional_config switch of stage 0's step graphs (default on)
 CODEC_GRAPHS_KEY = "speech_lm_codec_graphs"  # additional_config switch of stage 1's decode graphs (default on CUDA)
-CODEC_FUSED_KEY = "speech_lm_codec_fused_snake"  # ... and of its compiled Snake activations (default on CUDA)
+CODEC_FUSED_KEY = "speech_lm_codec_fused_snake"  # ... and of its one-kernel Snake activations (default on CUDA)
 SPEECHLM_KEY = "speechlm"
 # Audio-input weights a served checkpoint carries next to the LM (Bagpiper: the Qwen3-Omni audio
 # encoder, named as transformers' and vLLM's Qwen3-Omni thinker name it, and the linear adaptor
