@@ -11,7 +11,9 @@ geometry). Every answer asks for exactly --gen-len audio frames
 (its minimum and maximum) and takes the checkpoint's guidance (released: cfg 3) unless --cfg-scale
 (several values: each is measured at every level on the same server, key "N cfg=X").
 At each concurrency level N clients post at once, each streaming one audio-only answer (raw PCM, or
-SSE with `--format sse`), and the client times every chunk. Per level:
+SSE with `--format sse`) to a text of its own (one question, numbered: stage 0's prefix caching
+shares the system turn and the guidance companions' prompts, as in real traffic, not the whole
+prompt), and the client times every chunk. Per level:
     first audio   request sent -> first audio bytes: p50 / p90 / max
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import os
 import statistics
@@ -316,9 +319,12 @@ def serve_speech(model_dir: str, deploy_name: str, suffix: str, args, levels: li
     with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], log, entrypoint=VLLM_SERVE) as server:
         scales = {name + suffix: cfg for name, cfg in level_names(levels, args.cfg_scale or [None]).items()}
 
+        answers = itertools.count()  # every answer its own text: prefix caching shares only what traffic shares
+
         def request(level: str):
             guided = body if scales[level] is None else body | {"cfg_scale": scales[level]}
-            return lambda c, i: listen(c, guided | {"seed": i}, args.format == "sse")
+            return lambda c, i: listen(c, guided | {"seed": i, "input": f"{PROMPT} Answer {next(answers)}."},
+                                       args.format == "sse")
 
         report["first_requests"]["speech" + suffix] = first_requests(server, request(next(iter(scales))), speech_summary)
         measure(server.url, list(scales), request, speech_summary, report["speech"], save)
