@@ -5,7 +5,6 @@ vllm-omni engines in this process, CPU), `server` (`vllm serve` driven over HTTP
 runs all; `make test PYTEST_ARGS="-m unit"` one tier.
 """
 
-import contextlib
 import functools
 import os
 from collections import defaultdict, deque
@@ -184,24 +183,17 @@ def _shm_mapped_by_others() -> set[str]:
     return mapped
 
 
-def _live_semaphores(names: set[str]) -> set[str]:
-    """Of `names`, Python's multiprocessing semaphores this process holds open (`sem.mp-*`): live
-    queues and locks, which its resource tracker unlinks when they are freed or at exit; not a
-    leak. glibc maps a semaphore under a temporary name, so it is matched by inode."""
-    with open("/proc/self/maps") as f:
-        inodes = {int(line.split()[4]) for line in f if SHM_DIR + "/" in line}
-    live = set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            if name.startswith("sem.mp-") and os.stat(os.path.join(SHM_DIR, name)).st_ino in inodes:
-                live.add(name)
-    return live
+# Python's multiprocessing names its anonymous segments and semaphores so: vLLM's and vllm-omni's
+# IPC buffers and locks, which the resource tracker unlinks when they are freed or at exit. This
+# project's windows and their lock files are the connector's, named by request (`shm_*`, `*_0_N`).
+MULTIPROCESSING_PREFIXES = ("psm_", "sem.mp-")
 
 
 def new_shm(before: set[str]) -> set[str]:
-    """Segments created since `before` that are this run's (held by it, or by nobody: leaked)."""
-    new = shm_names() - before
-    return new - _shm_mapped_by_others() - _live_semaphores(new)
+    """Segments created since `before` that are this run's (held by it, or by nobody: leaked),
+    multiprocessing's own left out (their unlinking may wait for the test process's exit)."""
+    new = {n for n in shm_names() - before if not n.startswith(MULTIPROCESSING_PREFIXES)}
+    return new - _shm_mapped_by_others()
 
 
 # --- the OpenAI-compatible server (tests/test_serving_*.py) -------------------------------------
