@@ -17,9 +17,10 @@ bucketed batches), as it does when serving. Per case: ms per step, windows per s
 seconds decoded per wall second. With --graphs, each case also runs on the stage's decode graphs
 (`models/codec_graphs.py`, recorded for the shipped YAML's shapes first): `graphs_ms_per_step` and
 the largest difference of any audio sample from the eager decode (`graphs_max_abs_diff`). With
---fused, the same on graphs recorded with the Snake activations as one kernel each (`codec/fused_snake.py`), as the stage decodes by
-default on CUDA (`fused_ms_per_step`, `fused_max_abs_diff`); `audio_max_abs`: the eager decode's
-largest sample, the scale of those differences.
+--fused, the same on graphs recorded with the Snake activations as one kernel each
+(`codec/fused_snake.py`), as the stage decodes by default on CUDA (`fused_ms_per_step`,
+`fused_max_abs_diff`); `audio_max_abs`: the eager decode's largest sample, the scale of those
+differences.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def main() -> None:
                 new_audio = sum(new for _, new in (lengths[i % len(lengths)] for i in range(batch))) / FRAME_RATE
                 report["results"][f"{name} B={batch}"] = {
                     "ms_per_step": seconds * 1e3, "first_call_ms": first * 1e3, "windows_per_s": batch / seconds, "audio_s_per_wall_s": new_audio / seconds}
-                want = decoder.decode_windows(codes, infos)
-                if variants:
+                if variants:  # the eager samples the variants are compared with
+                    want = decoder.decode_windows(codes, infos)
                     report["results"][f"{name} B={batch}"]["audio_max_abs"] = max(float(a.abs().max()) for a in want)
                 for variant, other in variants.items():
                     _, other_s = time_step(other, codes, infos, args.repeats, sync)

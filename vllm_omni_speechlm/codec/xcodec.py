@@ -367,15 +367,14 @@ class Snake1d(nn.Module):
         return fused_snake(x, self.alpha, self.inv_alpha)
 
 
-def fuse_snakes(decoder: nn.Module) -> int:
+def fuse_snakes(decoder: nn.Module) -> None:
     """Compute every Snake of a decoder on CUDA as one Triton kernel (codec/fused_snake.py: the
-    same samples, ~1.6x faster decodes under load on an H100); how many."""
+    same samples, ~1.6x faster decodes under load on an H100)."""
     snakes = [m for m in decoder.modules() if isinstance(m, Snake1d)]
     if snakes and snakes[0].alpha.device.type != "cuda":
         raise ValueError(f"fused Snakes need a decoder on CUDA, not {snakes[0].alpha.device}")
     for m in snakes:
         m.inv_alpha = (m.alpha.detach() + 1e-9).reciprocal()  # as `snake` computes it
-    return len(snakes)
 
 
 class XCodecResidualUnit(nn.Module):

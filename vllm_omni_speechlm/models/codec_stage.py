@@ -121,7 +121,8 @@ class SpeechLMCodecDecoder(nn.Module):
     def from_model_dir(cls, model_dir: str, device: str | torch.device = "cpu", graphs: bool = False,
                        fused: bool = False) -> SpeechLMCodecDecoder:
         """The same stage model outside an engine (tests, tools); `graphs`: decode on CUDA graphs
-        of the shapes `warm_up` meets; `fused`: the Snake activations compiled (`fuse_snakes`)."""
+        of the shapes `warm_up` meets; `fused`: the Snake activations as one kernel each
+        (`fuse_snakes`)."""
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model._setup(model_dir, device)

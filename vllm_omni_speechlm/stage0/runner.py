@@ -16,8 +16,8 @@ hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them
 in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
 connector accumulating full payloads), vllm-omni's per-request builder is skipped; otherwise it
 puts each request's frame view in its payload as it is. vllm-omni's own prefix cache is left out
-(`compat.without_omni_prefix_cache`), so with vLLM's prefix caching on the frames still go whole. Deploy YAMLs
-select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
+(`compat.without_omni_prefix_cache`), so with vLLM's prefix caching on the frames still go whole.
+Deploy YAMLs select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
 `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
 loops of an async-scheduled step (`runner_loops.py`).
 
