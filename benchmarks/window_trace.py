@@ -8,7 +8,7 @@ Per level (the lines between the level's first request and its end): stage 1's f
 per forward, the interval between forwards, the wait from a window's making in stage 0 to the
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
-steps, the level's first steps (ms, rows, tokens each) and the step time; how long after its
+steps, the level's first steps (ms, rows, tokens, CPU ms each) and the step's wall and CPU time; how long after its
 request the API server sent an answer's first bytes; and how late the API server's event loop
 woke (the per-second medians' median, the largest).
 """
@@ -25,7 +25,7 @@ LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_
                   r"decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")  # older logs have no queue_ms_max
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
 BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
-STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)")
+STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)(?: cpu_ms=([\d.]+) proc_cpu_ms=([\d.]+))?")
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
 FIRST_STEPS = 30
 
@@ -49,8 +49,12 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
                          ("first_bytes_ms", [x[1] for x in sends])):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     steps = list(steps)[1:]  # the level's first step also waited while the server was idle
-    out["step_ms"] = {"p50": _pct([x[1] for x in steps], 0.5), "p90": _pct([x[1] for x in steps], 0.9)}
-    out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3])] for x in steps[:FIRST_STEPS]]  # ms, rows, tokens
+    for name, i in (("step_ms", 1), ("step_cpu_ms", 4), ("step_proc_cpu_ms", 5)):  # older logs have no CPU times
+        values = [x[i] for x in steps if len(x) > i and x[i] is not None]
+        out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
+    # ms, rows, tokens (and the CPU ms of the scheduler's thread and of the process)
+    out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3]), *(round(c, 1) for c in x[4:] if c is not None)]
+                          for x in steps[:FIRST_STEPS]]
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
     return out
 

@@ -331,6 +331,8 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     scheduler's `WindowGate` first when `gated` (its clock advancing `step_s` per step); `first` /
     `rate`: the request's first window and output rate; `lag`: the steps a handed-over payload
     waits for the save thread. Returns (payloads sent, processor calls)."""
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
     from vllm_omni_speechlm.config import SpeechLMConfig
     from vllm_omni_speechlm.resample import RATE_KEY
     from vllm_omni_speechlm.stage0.window_gate import WindowGate
@@ -348,7 +350,9 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
         while queue and queue[0][0] <= step:
             _, output, finished = queue.popleft()
             payload = speech_codec.speechlm2codec_async_chunk(tm, output, request, is_finished=finished)
-            sent.extend([payload] if payload is not None else [])
+            if payload is not None:  # its codes as stage 1 decodes them off the wire
+                payload.codes.audio = OmniSerializer.deserialize(OmniSerializer.serialize(payload.codes.audio))
+                sent.append(payload)
 
     calls = 0
     for i, row in enumerate(tokens):

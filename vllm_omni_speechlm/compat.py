@@ -74,6 +74,7 @@ _VOCAB_EMB = "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelE
 _ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
 _GEN_SCHED = "vllm_omni.core.sched.omni_generation_scheduler:OmniGenerationScheduler"
 _SHM = "vllm_omni.distributed.omni_connectors.connectors.shm_connector:SharedMemoryConnector"
+_SERIAL = "vllm_omni.distributed.omni_connectors.utils.serialization"
 
 HOOKS = (
     # stage-0 scheduler (stage0/scheduler.py, stage0/steady_rows.py)
@@ -124,6 +125,14 @@ HOOKS = (
     Hook(_ADAPTER, "get_req_chunk", "attribute"),
     Hook(_ADAPTER, "_poll_single_request", "relied", "self, entry"),  # window_key
     Hook(_SHM, "get", "call", "self, from_stage, to_stage, get_key, metadata=None"),
+    # the window connector (connector.py): a cheaper sweep, flags as bools
+    Hook(_SHM, "put", "override", "self, from_stage, to_stage, put_key, data"),
+    Hook(_SHM, "reap_consumed", "override", "self"),
+    Hook(_SHM, "_pending_keys", "attribute"),
+    Hook(_SHM, "_pending_keys_lock", "attribute"),
+    # wire_tensor: a tensor as vllm-omni's serializer writes it, decoded by its receiving end
+    Hook(_SERIAL, "_TENSOR_MARKER", "attribute"),
+    Hook(_SERIAL + ":OmniMsgpackDecoder", "_decode_tensor", "relied", "self, obj"),
     Hook(_SHM, "cleanup", "call", "self, request_id"),
     Hook(_SHM, "stage_id", "attribute"),
     # stage-0 runner (stage0/runner.py, stage0/runner_loops.py)
@@ -355,6 +364,17 @@ def window_key(external_req_id: str, stage_id: int, chunk_id: int) -> str:
     """The connector key of a request's `chunk_id`-th window from stage `stage_id`, as vllm-omni's
     chunk adapter names it on both ends (`_poll_single_request`)."""
     return f"{external_req_id}_{stage_id}_{chunk_id}"
+
+
+def wire_tensor(array: Any) -> dict[str, Any]:
+    """A numpy array as vllm-omni's serializer writes a tensor (`_encode_tensor`), so the receiving
+    end decodes a torch tensor; built without a torch call (on stage 0's save thread each one hands
+    the interpreter lock to the scheduler's thread and waits to get it back)."""
+    import numpy as np
+    from vllm_omni.distributed.omni_connectors.utils.serialization import _TENSOR_MARKER
+
+    array = np.ascontiguousarray(array)
+    return {_TENSOR_MARKER: True, "dtype": str(array.dtype), "shape": list(array.shape), "data": array.tobytes()}
 
 
 def window_payload(codes: Any, meta: Any, **info: int) -> Any:

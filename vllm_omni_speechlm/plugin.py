@@ -13,8 +13,8 @@ ENGINE_MODULE = "vllm_omni.engine.omni_engine_base"
 
 def register() -> None:
     """Register the project's architectures (vLLM's and vllm-omni's registries: stages load
-    models through the latter) and pipelines; in the API server also the OpenAI routes
-    (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
+    models through the latter), pipelines and window connector; in the API server also the
+    OpenAI routes (vllm_omni_speechlm/serving). Idempotent: it runs more than once per process."""
     from vllm_omni_speechlm import compat, serving
     from vllm_omni_speechlm.deploy_checks import check_deploy_devices
 
@@ -34,6 +34,7 @@ def register_speech_lms() -> None:
     from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
 
+    from vllm_omni_speechlm import connector
     from vllm_omni_speechlm.models import ARCHITECTURES
     from vllm_omni_speechlm.pipeline import PIPELINES
 
@@ -44,6 +45,7 @@ def register_speech_lms() -> None:
     for pipeline in PIPELINES:
         if pipeline.model_type not in OMNI_PIPELINES:
             register_pipeline(pipeline)
+    connector.register()
     from vllm_omni_speechlm.deploy_checks import register_startup_checks
     from vllm_omni_speechlm.models import CODEC_ARCHITECTURES
 

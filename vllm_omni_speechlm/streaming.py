@@ -20,6 +20,9 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       first window leaves while a stage-0 step takes at most this
                                       long (a GPU with slack), else it takes the fixed ramp with
                                       the full lookahead; 0: paced while faster than real time
+    codec_paced_max_streams           int >= 0, paced windows only: a segment is paced when its
+                                      first window leaves while at most this many answers stream
+                                      to the codec stage (its own included); 0: no bound
     codec_queued_windows              int >= 0: while this many of a request's windows wait to be
                                       cut on stage 0's save thread, its next window waits too, up
                                       to a full chunk: a burst's ramp windows merge instead of
@@ -41,6 +44,7 @@ WINDOW_DEFAULTS = {
     "codec_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (every window exact)
     "codec_playout_margin_steps": 0,  # 0: the fixed ramp
     "codec_paced_max_step_ms": 0,  # 0: paced while faster than real time
+    "codec_paced_max_streams": 0,  # 0: paced however many answers stream
     "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
@@ -83,9 +87,9 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
             f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
             f"codec_chunk_frames ({chunk}) (0 = a full chunk)"
         )
-    if out["codec_paced_max_step_ms"] and not out["codec_playout_margin_steps"]:
-        raise ValueError("connector extra: codec_paced_max_step_ms applies to paced windows; "
-                         "set codec_playout_margin_steps too")
+    for key in ("codec_paced_max_step_ms", "codec_paced_max_streams"):
+        if out[key] and not out["codec_playout_margin_steps"]:
+            raise ValueError(f"connector extra: {key} applies to paced windows; set codec_playout_margin_steps too")
     if reach is not None:
         _check_reach(out, reach)
     return out

@@ -6,7 +6,8 @@ Stage 0's window gate stamps each window's rows with the wall clock it handed th
 (`SENT_KEY`; integers in microseconds, carried like the output rate). Stage 1 logs one line per
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
-decode took. Stage 0 logs every step (the time since the step before, its rows and tokens), each
+decode took. Stage 0 logs every step (the time since the step before, its rows and tokens, the CPU
+time of its scheduler's thread and of the process), each
 request as its scheduler takes it in (the time since its arrival in the API server) and, per
 answer, how long after its arrival its first window left. The API server logs when each streamed
 answer's first bytes left and, from its first speech request on, once a second how late its event
@@ -70,16 +71,20 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
 
 
-_last_step = 0.0
+_last_step = (0.0, 0.0, 0.0)
 
 
 def log_step(tokens: int, rows: int) -> None:
-    """Stage 0, as a step's output arrives."""
+    """Stage 0, as a step's output arrives; with the CPU time the scheduler's thread and the whole
+    process spent since the step before (a thread's wall time beyond its CPU time is waiting: for
+    the interpreter lock, or blocked)."""
     global _last_step
     if ENABLED:
-        now = time.time()
-        if _last_step:
-            logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d", STEP_LINE, now, (now - _last_step) * 1e3, rows, tokens)
+        now = (time.time(), time.thread_time(), time.process_time())
+        if _last_step[0]:
+            wall, cpu, proc = ((a - b) * 1e3 for a, b in zip(now, _last_step))
+            logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d cpu_ms=%.1f proc_cpu_ms=%.1f", STEP_LINE, now[0], wall,
+                        rows, tokens, cpu, proc)
         _last_step = now
 
 

@@ -349,6 +349,35 @@ def test_a_bound_on_the_step_leaves_longer_steps_to_the_fixed_ramp(tiny_bagpiper
     assert bounded[0].meta.right_holdback_size == (2 if step_s < 0.010 else 10)
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+def test_a_bound_on_the_streams_leaves_answers_past_it_to_the_fixed_ramp(tiny_bagpiper, long_clip, streams):
+    """`codec_paced_max_streams` 1, at 7 ms a step: an answer streaming alone is paced (its first
+    window decoded with a lookahead of 2); while two stream, each takes the fixed ramp with the full
+    lookahead. The bound counts answers the gate still holds open."""
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.streaming import WINDOW_KEY, window_settings
+
+    extra = {"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": 2, "codec_playout_margin_steps": 4,
+             "codec_paced_max_streams": 1}
+    now = [0.0]
+    gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper), window_settings(extra), clock=lambda: now[0])
+    answers = [SimpleNamespace(external_req_id=f"a{i}", additional_information=None, output_token_ids=[])
+               for i in range(streams)]
+    first = {}  # answer -> its first window's lookahead
+    for row in long_clip.tokens:
+        now[0] += 0.007
+        gate.tick()
+        for answer in answers:
+            answer.output_token_ids.append(int(row[0]))
+            handed, payload = gate.offer(answer, {"codes.audio": row[None]}, False)
+            if handed and WINDOW_KEY in payload:
+                first.setdefault(answer.external_req_id, payload[WINDOW_KEY][1])
+    assert first == {a.external_req_id: 2 if streams == 1 else 10 for a in answers}
+    gate.forget([a.external_req_id for a in answers])
+    assert len(gate) == 0 and gate._streams == 0
+
+
 @pytest.mark.parametrize("min_holdback", [10, 2])
 def test_paced_windows_through_the_gate(tiny_bagpiper, long_clip, min_holdback):
     """Paced windows (the gate's clock at 15 ms a step, 4 steps of margin): more, smaller windows

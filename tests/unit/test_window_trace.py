@@ -120,20 +120,25 @@ def test_a_streamed_answer_logs_when_its_first_bytes_left(monkeypatch, caplog):
     assert summarize([], [], [sent], [])["first_bytes_ms"]["p50"] == sent[1]
 
 
-def test_a_step_line_gives_the_time_since_the_step_before(monkeypatch, caplog):
+def test_a_step_line_gives_the_time_since_the_step_before_and_the_cpu_time(monkeypatch, caplog):
+    """Steps ~30 ms apart, the thread busy for ~20 ms of each: the lines say so."""
     from window_trace import STEP, summarize
 
     monkeypatch.setattr(window_trace, "ENABLED", True)
-    monkeypatch.setattr(window_trace, "_last_step", 0.0)
+    monkeypatch.setattr(window_trace, "_last_step", (0.0, 0.0, 0.0))
     with caplog.at_level(logging.INFO, logger=window_trace.__name__):
         for rows in (2, 2, 34):
             window_trace.log_step(tokens=rows * 3, rows=rows)
-            time.sleep(0.02)
+            busy = time.thread_time() + 0.02
+            while time.thread_time() < busy:
+                pass
+            time.sleep(0.01)
     steps = [tuple(map(float, STEP.search(r.getMessage()).groups())) for r in caplog.records]
-    assert [s[2:] for s in steps] == [(2, 6), (34, 102)]  # the first step has no step before it
-    assert all(19 <= s[1] < 200 for s in steps)
+    assert [s[2:4] for s in steps] == [(2, 6), (34, 102)]  # the first step has no step before it
+    assert all(29 <= s[1] < 300 and 19 <= s[4] <= s[1] and s[5] >= s[4] - 1 for s in steps)
     summary = summarize([], [], [], [], steps)  # a level's first step waited while the server was idle
-    assert summary["first_steps"] == [[round(steps[1][1], 1), 34, 102]]
+    assert summary["first_steps"] == [[round(steps[1][1], 1), 34, 102, round(steps[1][4], 1), round(steps[1][5], 1)]]
+    assert summary["step_cpu_ms"]["p50"] == steps[1][4]
 
 
 def test_an_admit_line_gives_the_time_since_arrival_and_the_scheduler_work(monkeypatch, caplog):

@@ -72,6 +72,7 @@ class WindowGate:
         `codec_queued_windows`: the rest still wait on the save thread)."""
         self.cfg, self.settings, self.clock, self.taken = cfg, settings, clock, taken
         self._open: dict[str, _GateState] = {}
+        self._streams = 0  # open requests a codec stage takes
         paced = settings["codec_playout_margin_steps"] > 0
         self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
         # With a pacer, the first lookahead is for paced segments: a ramped one's second window
@@ -95,9 +96,10 @@ class WindowGate:
         state = self._open.get(ext_id)
         if state is None:
             state = self._open[ext_id] = _GateState(*self._request_options(request))
+            self._streams += state.to_codec
         if not state.to_codec:
             if is_finished:
-                del self._open[ext_id]
+                self._close(ext_id)
             return False, None
         step = payload_frames(multimodal_output)  # kept as it came: shaped once, when handed over
         ended = False
@@ -109,7 +111,7 @@ class WindowGate:
             else:
                 ended = self._count_segment_rows(state, request.output_token_ids[-new_rows:])
         if is_finished:
-            del self._open[ext_id]
+            self._close(ext_id)
             self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
@@ -198,7 +200,8 @@ class WindowGate:
         return next_window(total, 0, first, self.settings, False)
 
     def _paces(self) -> bool:
-        return self.pacer is not None and self.pacer.paces
+        bound = self.settings["codec_paced_max_streams"]
+        return self.pacer is not None and self.pacer.paces and (not bound or self._streams <= bound)
 
     def _rows(self, pending: list[torch.Tensor]) -> torch.Tensor:
         # numpy: no torch op per pending step (each would hand the interpreter lock around)
@@ -212,4 +215,8 @@ class WindowGate:
     def forget(self, ext_ids) -> None:
         """Drop requests that ended without a finishing call (abort, error)."""
         for ext_id in ext_ids:
-            self._open.pop(ext_id, None)
+            self._close(ext_id)
+
+    def _close(self, ext_id: str) -> None:
+        state = self._open.pop(ext_id, None)
+        self._streams -= state is not None and state.to_codec

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from vllm_omni.engine.serialization import deserialize_additional_information
 
-from vllm_omni_speechlm.compat import window_payload
+from vllm_omni_speechlm.compat import window_payload, wire_tensor
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.delay_pattern import audio_rows, audio_segments, host_segment_codes, num_complete_frames
 from vllm_omni_speechlm.frames import payload_frames
@@ -169,7 +169,7 @@ def _next_window(blocks: list[np.ndarray], state: dict[str, int], settings: dict
     blocks[:] = [rows[drop:]]
     state["base"] += drop
     return window_payload(
-        CodesStruct(audio=torch.from_numpy(codes.astype(np.int64).reshape(-1))),
+        CodesStruct(audio=wire_tensor(codes.astype(np.int64).reshape(-1))),  # no torch call on this thread
         MetaStruct(left_context_size=left, right_holdback_size=holdback),
         **({RATE_KEY: state["rate"]} if state["rate"] else {}),
         **stamp(payload),

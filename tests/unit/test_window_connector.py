@@ -1,0 +1,94 @@
+"""The window connector (vllm_omni_speechlm/connector.py) against vllm-omni's own pieces: stage 1
+reads its windows with the stock SharedMemoryConnector and commits them with the real receiving
+adapter code; its sweep keeps the pending keys bounded and loses no unread window."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
+from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+    OmniChunkTransferAdapter as Adapter,
+)
+
+from vllm_omni_speechlm import compat
+from vllm_omni_speechlm.connector import NAME, REAP_PER_PUT, WindowConnector
+
+
+def _window(codes: np.ndarray, last: bool):
+    """A window as the processor cuts it, with the flags the adapter adds before its put."""
+    meta = MetaStruct(left_context_size=2, right_holdback_size=10, finished=torch.tensor(last),
+                      is_segment_finished=torch.tensor(False))
+    return compat.window_payload(CodesStruct(audio=compat.wire_tensor(codes)), meta, output_sample_rate=8000)
+
+
+def _commit(wire: dict) -> SimpleNamespace:
+    """Stage 1's request after the real receiving adapter code committed `wire`."""
+    receiver = SimpleNamespace(
+        get_req_chunk={"r": 0}, model_mode="generation", upstream_exhausted_requests=set(),
+        segment_finished_requests=set(), _finished_load_reqs=set(), _is_truthy_scalar=Adapter._is_truthy_scalar,
+        _refresh_generation_chunk_prefill_state=Adapter._refresh_generation_chunk_prefill_state,
+    )
+    request = SimpleNamespace(additional_information=None, prompt_token_ids=[], resumable=False)
+    assert Adapter._commit_received_chunk(receiver, request, (wire, 0), stage_id=1, req_id="r", chunk_id=0,
+                                          connector_get_key="k")
+    return SimpleNamespace(request=request, exhausted="r" in receiver.upstream_exhausted_requests,
+                           segment_finished="r" in receiver.segment_finished_requests)
+
+
+def test_stage_1_reads_a_window_with_the_stock_connector_as_before():
+    sender, reader = WindowConnector({"stage_id": 0}), SharedMemoryConnector({"stage_id": 1})
+    codes = np.arange(24, dtype=np.int64) * 37
+    for last in (False, True):
+        key = f"win-{uuid.uuid4().hex}"
+        payload = _window(codes, last)
+        ok, _, _ = sender.put("0", "1", key, payload)
+        assert ok and payload.meta.finished is last  # what the adapter reads back after the put
+        wire, _ = reader.get("0", "1", key)
+        got = _commit(wire)
+        assert got.request.prompt_token_ids == codes.tolist()
+        assert got.request.additional_information["output_sample_rate"] == 8000
+        assert got.exhausted is last and not got.segment_finished
+        assert not os.path.exists(f"/dev/shm/{key}")  # the reader unlinked it
+    sender.close()
+
+
+def test_the_sweep_keeps_pending_keys_few_and_every_unread_window_tracked():
+    sender, reader = WindowConnector({"stage_id": 0}), SharedMemoryConnector({"stage_id": 1})
+    prefix = f"sweep-{uuid.uuid4().hex}"
+    unread = {f"{prefix}_{i}" for i in (3, 40, 77)}
+    for i in range(120):
+        key = f"{prefix}_{i}"
+        assert sender.put("0", "1", key, _window(np.zeros(8, dtype=np.int64), False))[0]
+        if key not in unread:
+            assert reader.get("0", "1", key) is not None
+    assert unread <= set(sender._pending_keys)
+    assert len(sender._pending_keys) <= len(unread) + REAP_PER_PUT
+    sender.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix) or n.startswith(f"shm_{prefix}")]
+
+
+def test_the_plugin_registers_the_connector_by_its_deploy_name():
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    from vllm_omni_speechlm import plugin
+
+    plugin.register()
+    plugin.register()  # idempotent
+    made = OmniConnectorFactory.create_connector(ConnectorSpec(name=NAME, extra={"stage_id": 0}))
+    assert type(made) is WindowConnector and made.stage_id == 0
+
+
+def test_a_wire_tensor_decodes_as_the_serializer_own_tensor():
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
+    array = np.arange(12, dtype=np.int64).reshape(3, 4) - 5
+    ours = OmniSerializer.deserialize(OmniSerializer.serialize(compat.wire_tensor(array[:, 1:])))
+    stock = OmniSerializer.deserialize(OmniSerializer.serialize(torch.from_numpy(array[:, 1:].copy())))
+    assert isinstance(ours, torch.Tensor) and ours.dtype == stock.dtype and torch.equal(ours, stock)
