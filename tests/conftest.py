@@ -308,6 +308,26 @@ def espnet_segment_audio(tokens, cfg, codec):
     return torch.cat(audio), frames
 
 
+def commit_received(wire: dict) -> SimpleNamespace:
+    """Stage 1's side of a window read off the wire: the request after vllm-omni's real receiving
+    adapter code (`_commit_received_chunk`) committed `wire`, and whether it marked the upstream
+    exhausted or the segment finished."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        OmniChunkTransferAdapter as Adapter,
+    )
+
+    receiver = SimpleNamespace(
+        get_req_chunk={"r": 0}, model_mode="generation", upstream_exhausted_requests=set(),
+        segment_finished_requests=set(), _finished_load_reqs=set(), _is_truthy_scalar=Adapter._is_truthy_scalar,
+        _refresh_generation_chunk_prefill_state=Adapter._refresh_generation_chunk_prefill_state,
+    )
+    request = SimpleNamespace(additional_information=None, prompt_token_ids=[], resumable=False)
+    assert Adapter._commit_received_chunk(receiver, request, (wire, 0), stage_id=1, req_id="r", chunk_id=0,
+                                          connector_get_key="k")
+    return SimpleNamespace(request=request, exhausted="r" in receiver.upstream_exhausted_requests,
+                           segment_finished="r" in receiver.segment_finished_requests)
+
+
 # --- the stage-0 -> stage-1 processor outside an engine -------------------------------------------
 
 

@@ -7,12 +7,12 @@ Stage 0's window gate stamps each window's rows with the wall clock it handed th
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
 decode took. Stage 0 logs every step (the time since the step before, its rows and tokens, the CPU
-time of its scheduler's thread and of the process), each
-request as its scheduler takes it in (the time since its arrival in the API server) and, per
-answer, how long after its arrival its first window left. The API server logs when each streamed
-answer's first bytes left and, from its first speech request on, once a second how late its event
-loop woke: the loop that streams every answer, whose interpreter lock the thread relaying the
-stages' outputs (vllm-omni's orchestrator) shares.
+time of its scheduler's thread and of the process), each request as its scheduler takes it in
+(the time since its arrival in the API server) and, per answer, how long after its arrival its
+first window left. The API server logs when each streamed answer's first bytes left and, from its
+first speech request on, once a second how late its event loop woke: the loop that streams every
+answer, whose interpreter lock the thread relaying the stages' outputs (vllm-omni's orchestrator)
+shares.
 `benchmarks/window_trace.py` summarizes the lines of a server log.
 """
 

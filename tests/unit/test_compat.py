@@ -232,24 +232,14 @@ def test_a_window_payloads_extra_key_reaches_the_next_stage():
     adapter (the real `_commit_received_chunk`) merges it into the next stage's request information,
     beside `meta`; without extras the payload is vllm-omni's own struct."""
     import torch
+    from conftest import commit_received
     from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
-    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
-        OmniChunkTransferAdapter as Adapter,
-    )
     from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
     codes, meta = CodesStruct(audio=torch.arange(16)), MetaStruct(left_context_size=2, right_holdback_size=10)
     assert type(compat.window_payload(codes, meta)) is OmniPayloadStruct
     payload = compat.window_payload(codes, meta, output_sample_rate=8000)
-    wire = OmniSerializer.deserialize(OmniSerializer.serialize(payload))
-    receiver = SimpleNamespace(
-        get_req_chunk={"r": 0}, model_mode="generation", upstream_exhausted_requests=set(),
-        segment_finished_requests=set(), _finished_load_reqs=set(), _is_truthy_scalar=Adapter._is_truthy_scalar,
-        _refresh_generation_chunk_prefill_state=Adapter._refresh_generation_chunk_prefill_state,
-    )
-    request = SimpleNamespace(additional_information=None, prompt_token_ids=[], resumable=False)
-    assert Adapter._commit_received_chunk(receiver, request, (wire, 0), stage_id=1, req_id="r", chunk_id=0,
-                                          connector_get_key="k")
+    request = commit_received(OmniSerializer.deserialize(OmniSerializer.serialize(payload))).request
     info = request.additional_information
     assert info["output_sample_rate"] == 8000 and info["meta"]["left_context_size"] == 2
     assert request.prompt_token_ids == list(range(16))

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from types import SimpleNamespace
 
 import numpy as np
 import torch
+from conftest import commit_received
 from vllm_omni.data_entry_keys import CodesStruct, MetaStruct
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
-from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
-    OmniChunkTransferAdapter as Adapter,
-)
 
 from vllm_omni_speechlm import compat
 from vllm_omni_speechlm.connector import NAME, REAP_PER_PUT, WindowConnector
@@ -27,20 +24,6 @@ def _window(codes: np.ndarray, last: bool):
     return compat.window_payload(CodesStruct(audio=compat.wire_tensor(codes)), meta, output_sample_rate=8000)
 
 
-def _commit(wire: dict) -> SimpleNamespace:
-    """Stage 1's request after the real receiving adapter code committed `wire`."""
-    receiver = SimpleNamespace(
-        get_req_chunk={"r": 0}, model_mode="generation", upstream_exhausted_requests=set(),
-        segment_finished_requests=set(), _finished_load_reqs=set(), _is_truthy_scalar=Adapter._is_truthy_scalar,
-        _refresh_generation_chunk_prefill_state=Adapter._refresh_generation_chunk_prefill_state,
-    )
-    request = SimpleNamespace(additional_information=None, prompt_token_ids=[], resumable=False)
-    assert Adapter._commit_received_chunk(receiver, request, (wire, 0), stage_id=1, req_id="r", chunk_id=0,
-                                          connector_get_key="k")
-    return SimpleNamespace(request=request, exhausted="r" in receiver.upstream_exhausted_requests,
-                           segment_finished="r" in receiver.segment_finished_requests)
-
-
 def test_stage_1_reads_a_window_with_the_stock_connector_as_before():
     sender, reader = WindowConnector({"stage_id": 0}), SharedMemoryConnector({"stage_id": 1})
     codes = np.arange(24, dtype=np.int64) * 37
@@ -50,7 +33,7 @@ def test_stage_1_reads_a_window_with_the_stock_connector_as_before():
         ok, _, _ = sender.put("0", "1", key, payload)
         assert ok and payload.meta.finished is last  # what the adapter reads back after the put
         wire, _ = reader.get("0", "1", key)
-        got = _commit(wire)
+        got = commit_received(wire)
         assert got.request.prompt_token_ids == codes.tolist()
         assert got.request.additional_information["output_sample_rate"] == 8000
         assert got.exhausted is last and not got.segment_finished
