@@ -30,14 +30,15 @@ class VllmServer:
     engine processes too)."""
 
     def __init__(self, model_dir: str, serve_args: list[str], log_path: Path, port: int | None = None,
-                 entrypoint: tuple[str, str] = VLLM_SERVE) -> None:
+                 entrypoint: tuple[str, str] = VLLM_SERVE, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir
         self.log_path = Path(log_path)
         cmd = [sys.executable, "-m", *entrypoint, model_dir, *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=os.environ | (env or {}))
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         import httpx
@@ -90,5 +91,6 @@ class VllmServer:
 class SpeechLMServer(VllmServer):
     """`vllm serve MODEL --omni --deploy-config YAML`."""
 
-    def __init__(self, model_dir: str, deploy_config: str, log_path: Path, port: int | None = None) -> None:
-        super().__init__(model_dir, ["--omni", "--deploy-config", deploy_config], log_path, port)
+    def __init__(self, model_dir: str, deploy_config: str, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(model_dir, ["--omni", "--deploy-config", deploy_config], log_path, port, env=env)

@@ -199,12 +199,13 @@ def new_shm(before: set[str]) -> set[str]:
 # --- the OpenAI-compatible server (tests/test_serving_*.py) -------------------------------------
 
 
-def start_speechlm_server(model_dir: str, deploy_yaml: str, log_dir: Path):
-    """Start `vllm serve` on a free local port, wait until healthy, yield it, stop it (fixtures)."""
+def start_speechlm_server(model_dir: str, deploy_yaml: str, log_dir: Path, env: dict[str, str] | None = None):
+    """Start `vllm serve` on a free local port (with `env` added to its environment), wait until
+    healthy, yield it, stop it (fixtures)."""
     from vllm_omni_speechlm import stage_configs
     from devtools.launch import SpeechLMServer
 
-    server = SpeechLMServer(model_dir, stage_configs.path(deploy_yaml), log_dir / "server.log")
+    server = SpeechLMServer(model_dir, stage_configs.path(deploy_yaml), log_dir / "server.log", env=env)
     try:
         server.wait_ready()
         yield server

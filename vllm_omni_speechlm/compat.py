@@ -201,6 +201,11 @@ HOOKS = (
     Hook("vllm.v1.worker.cpu_worker:CPUWorker", "compile_or_warm_up_model", "override", "self"),
     Hook("vllm_omni.platforms.interface:OmniPlatform", "_omni_enum", "attribute"),  # platforms/cpu.py
     # engine start (this module)
+    Hook("vllm_omni.engine.stage_engine_core_proc_manager", "get_mp_context", "attribute"),  # fork_stage_processes
+    Hook("vllm.utils.platform_utils", "cuda_is_initialized", "call", ""),
+    Hook("vllm.utils.platform_utils", "xpu_is_initialized", "call", ""),
+    Hook("vllm.platforms.interface", "in_wsl", "call", ""),
+    Hook("vllm.ray.lazy_utils", "is_in_ray_actor", "call", ""),
     Hook("vllm_omni.engine.omni_engine_base:OmniEngineBase", "__init__", "override",
          "self, model, stage_init_timeout=300, init_timeout=600, single_stage_mode=False, transfer_emitter=None, "
          "prom_metrics=None, log_stats=False, tokenizer=None, trust_remote_code=None, client_config=None, **kwargs"),
@@ -657,6 +662,27 @@ def pass_parallel_stage_init_from_deploy(check_devices: Callable[[str | None], N
 
     __init__._reads_deploy_parallel_stage_init = True  # type: ignore[attr-defined]
     OmniEngineBase.__init__ = __init__
+
+
+def fork_stage_processes() -> None:
+    """Start vllm-omni's stage processes by fork where vLLM would fork its own engine process (no
+    CUDA or XPU initialized here, not WSL, not a Ray actor). vllm-omni always spawns them, and a
+    spawned stage process imports torch, vLLM, vllm-omni and this project again before its engine
+    starts (31-33 s per stage on an H100 host); a forked one starts with them. Idempotent."""
+    import multiprocessing
+
+    import vllm.platforms.interface as platform
+    import vllm.ray.lazy_utils as ray
+    import vllm.utils.platform_utils as devices
+    import vllm_omni.engine.stage_engine_core_proc_manager as manager
+    from vllm.utils.system_utils import get_mp_context
+
+    def stage_context() -> Any:
+        if devices.cuda_is_initialized() or devices.xpu_is_initialized() or platform.in_wsl() or ray.is_in_ray_actor():
+            return get_mp_context()
+        return multiprocessing.get_context("fork")
+
+    manager.get_mp_context = stage_context
 
 
 def encoder_cache_rows(runner: Any) -> int:

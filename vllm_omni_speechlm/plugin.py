@@ -9,6 +9,9 @@ import sys
 EXTRA_PLUGIN_ENV = "SPEECHLM_EXTRA_PLUGIN"
 # vllm-omni's engine, loaded where stages are started (`vllm serve --omni`, `Omni(...)`).
 ENGINE_MODULE = "vllm_omni.engine.omni_engine_base"
+# Set to 1 to start `vllm serve`'s stage processes by fork instead of vllm-omni's spawn (measured
+# on CPU only so far: benchmarks/README.md, "Start-up").
+FORK_STAGES_ENV = "SPEECHLM_FORK_STAGES"
 
 
 def register() -> None:
@@ -24,6 +27,10 @@ def register() -> None:
     serving.register()
     if ENGINE_MODULE in sys.modules:  # the process that starts the stages (API server, offline driver)
         compat.pass_parallel_stage_init_from_deploy(check_deploy_devices)
+    # `vllm serve` only: the API server has imported all a stage needs and run no torch kernels (an
+    # offline driver may have, and OpenMP does not survive a fork)
+    if serving.API_SERVER_MODULE in sys.modules and os.environ.get(FORK_STAGES_ENV) == "1":
+        compat.fork_stage_processes()
     extra = os.environ.get(EXTRA_PLUGIN_ENV)
     if extra:
         importlib.import_module(extra).register()

@@ -30,6 +30,7 @@ from devtools import audio_clips
 from devtools.audio_clips import as_float
 from devtools.launch import free_port
 from vllm_omni_speechlm.audio import to_pcm16
+from vllm_omni_speechlm.plugin import FORK_STAGES_ENV
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.serving.speech import DEFAULT_SYSTEM
 from vllm_omni_speechlm.tokenizer import encode_prompt
@@ -41,7 +42,9 @@ TEXT = "Say hello to the world."
 
 @pytest.fixture(scope="module")
 def server(tiny_bagpiper, tmp_path_factory):
-    yield from start_speechlm_server(tiny_bagpiper, DEPLOY, tmp_path_factory.mktemp("server"))
+    """The stages forked from the API server (`SPEECHLM_FORK_STAGES`); the other server tests spawn them."""
+    yield from start_speechlm_server(tiny_bagpiper, DEPLOY, tmp_path_factory.mktemp("server"),
+                                     env={FORK_STAGES_ENV: "1"})
 
 
 @pytest.fixture(scope="module")

@@ -264,3 +264,34 @@ def test_the_slot_mapping_kernel_is_launched_as_a_step_launches_it():
     assert table.block_tables[0].slot_mapping.gpu[:4].tolist() == [48, 49, 87, 88]  # block * 16 + position
     assert "self.input_batch.block_table.compute_slot_mapping(" in inspect.getsource(GPUModelRunner._prepare_inputs)
     assert "warmup(grid=(1,)" in inspect.getsource(VllmTritonJitKernel.launch)  # compiled, never launched
+
+
+def test_stage_processes_are_forked_unless_cuda_is_initialized(monkeypatch):
+    """`fork_stage_processes`: vllm-omni's stage manager gets a fork context, and vLLM's own
+    choice (spawn here, as vllm-omni sets it) once CUDA is initialized in the starting process."""
+    import vllm.utils.platform_utils as platform_utils
+    import vllm_omni.engine.stage_engine_core_proc_manager as manager
+
+    monkeypatch.setattr(manager, "get_mp_context", manager.get_mp_context)  # restored after the test
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    compat.fork_stage_processes()
+    compat.fork_stage_processes()  # idempotent
+    assert manager.get_mp_context().get_start_method() == "fork"
+    monkeypatch.setattr(platform_utils, "cuda_is_initialized", lambda: True)
+    assert manager.get_mp_context().get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_vllm_serve_forks_its_stages_when_asked(monkeypatch, fork):
+    """In `vllm serve`'s process (vllm-omni's API server module loaded) the plugin forks the stage
+    processes with SPEECHLM_FORK_STAGES=1 and leaves vllm-omni's spawn otherwise."""
+    import vllm_omni.engine.stage_engine_core_proc_manager as manager
+    import vllm_omni.entrypoints.openai.api_server  # noqa: F401  (what marks the serving process)
+
+    from vllm_omni_speechlm import plugin
+
+    monkeypatch.setattr(manager, "get_mp_context", manager.get_mp_context)  # restored after the test
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv(plugin.FORK_STAGES_ENV, "1" if fork else "0")
+    plugin.register()
+    assert manager.get_mp_context().get_start_method() == ("fork" if fork else "spawn")
