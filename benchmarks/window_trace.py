@@ -43,14 +43,13 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
     t = [x[0] for x in lines]
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
+    steps = list(steps)[1:]  # the level's first step also waited while the server was idle
+    cpu, proc_cpu = ([x[i] for x in steps if x[i] is not None] for i in (4, 5))  # older logs have no CPU times
     for name, values in (("interval_ms", [g * 1e3 for g in gaps]), ("wait_ms_max", [x[4] for x in lines]),
                          ("decode_ms", [x[5] for x in lines]), ("queue_ms_max", [x[6] for x in lines if x[6] is not None]),
                          ("first_window_ms", [x[1] for x in firsts]), ("first_window_steps", [x[2] for x in firsts]),
-                         ("first_bytes_ms", [x[1] for x in sends])):
-        out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
-    steps = list(steps)[1:]  # the level's first step also waited while the server was idle
-    for name, i in (("step_ms", 1), ("step_cpu_ms", 4), ("step_proc_cpu_ms", 5)):  # older logs have no CPU times
-        values = [x[i] for x in steps if len(x) > i and x[i] is not None]
+                         ("first_bytes_ms", [x[1] for x in sends]), ("step_ms", [x[1] for x in steps]),
+                         ("step_cpu_ms", cpu), ("step_proc_cpu_ms", proc_cpu)):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     # ms, rows, tokens (and the CPU ms of the scheduler's thread and of the process)
     out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3]), *(round(c, 1) for c in x[4:] if c is not None)]
