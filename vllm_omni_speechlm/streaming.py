@@ -27,6 +27,11 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       cut on stage 0's save thread, its next window waits too, up
                                       to a full chunk: a burst's ramp windows merge instead of
                                       queuing one by one (0: no bound)
+    codec_batch_steps                 int, 0..chunk: a window of a full chunk leaves on every N-th
+                                      stage-0 step only (first, ramp and last windows when due), so
+                                      the codec stage decodes the answers' windows in N times fewer,
+                                      larger forwards when answers start at different times (0, 1:
+                                      every step)
 Any other `codec_*` key is a typo and is rejected. A request may set its own first window
 (`INITIAL_CHUNK_KEY` in its prompt's additional information, at most MAX_INITIAL_CHUNK_FRAMES).
 """
@@ -46,6 +51,7 @@ WINDOW_DEFAULTS = {
     "codec_paced_max_step_ms": 0,  # 0: paced while faster than real time
     "codec_paced_max_streams": 0,  # 0: paced however many answers stream
     "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
+    "codec_batch_steps": 0,  # 0: a full window leaves on the step it is due
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
@@ -87,6 +93,9 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
             f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
             f"codec_chunk_frames ({chunk}) (0 = a full chunk)"
         )
+    if out["codec_batch_steps"] > chunk:  # a window a chunk per more steps than a chunk's frames falls behind
+        raise ValueError(f"connector extra: codec_batch_steps ({out['codec_batch_steps']}) must be <= "
+                         f"codec_chunk_frames ({chunk})")
     for key in ("codec_paced_max_step_ms", "codec_paced_max_streams"):
         if out[key] and not out["codec_playout_margin_steps"]:
             raise ValueError(f"connector extra: {key} applies to paced windows; set codec_playout_margin_steps too")

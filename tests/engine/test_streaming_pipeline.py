@@ -289,6 +289,30 @@ def _decode(tiny_bagpiper, payloads) -> torch.Tensor:
         return torch.cat(stage.decode_windows(windows, infos))
 
 
+def _gate_windows(gate, tokens, starts, before_step=lambda: None) -> dict[str, list]:
+    """Answers "a0", "a1", ... through the scheduler's `gate`, answer i offering row r of `tokens`
+    at step starts[i] + r + 1, never finished (`before_step` runs first in each step) -> each
+    answer's [(step, (end, holdback))] windows. The answers are closed in the gate afterwards."""
+    from vllm_omni_speechlm.streaming import WINDOW_KEY
+
+    answers = [SimpleNamespace(external_req_id=f"a{i}", additional_information=None, output_token_ids=[])
+               for i in range(len(starts))]
+    windows = {a.external_req_id: [] for a in answers}
+    for step in range(1, len(tokens) + max(starts) + 1):
+        before_step()
+        gate.tick()
+        for answer, start in zip(answers, starts):
+            row = step - 1 - start
+            if not 0 <= row < len(tokens):
+                continue
+            answer.output_token_ids.append(int(tokens[row][0]))
+            handed, payload = gate.offer(answer, {"codes.audio": tokens[row][None]}, False)
+            if handed and WINDOW_KEY in payload:
+                windows[answer.external_req_id].append((step, payload[WINDOW_KEY]))
+    gate.forget(list(windows))
+    return windows
+
+
 @pytest.fixture(scope="module")
 def long_clip(tiny_bagpiper, reference):
     from vllm_omni_speechlm.tokenizer import encode_prompt
@@ -356,25 +380,19 @@ def test_a_bound_on_the_streams_leaves_answers_past_it_to_the_fixed_ramp(tiny_ba
     lookahead. The bound counts answers the gate still holds open."""
     from vllm_omni_speechlm.config import SpeechLMConfig
     from vllm_omni_speechlm.stage0.window_gate import WindowGate
-    from vllm_omni_speechlm.streaming import WINDOW_KEY, window_settings
+    from vllm_omni_speechlm.streaming import window_settings
 
     extra = {"initial_codec_chunk_frames": 2, "codec_min_right_holdback_frames": 2, "codec_playout_margin_steps": 4,
              "codec_paced_max_streams": 1}
     now = [0.0]
-    gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper), window_settings(extra), clock=lambda: now[0])
-    answers = [SimpleNamespace(external_req_id=f"a{i}", additional_information=None, output_token_ids=[])
-               for i in range(streams)]
-    first = {}  # answer -> its first window's lookahead
-    for row in long_clip.tokens:
+
+    def next_step() -> None:
         now[0] += 0.007
-        gate.tick()
-        for answer in answers:
-            answer.output_token_ids.append(int(row[0]))
-            handed, payload = gate.offer(answer, {"codes.audio": row[None]}, False)
-            if handed and WINDOW_KEY in payload:
-                first.setdefault(answer.external_req_id, payload[WINDOW_KEY][1])
-    assert first == {a.external_req_id: 2 if streams == 1 else 10 for a in answers}
-    gate.forget([a.external_req_id for a in answers])
+
+    gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper), window_settings(extra), clock=lambda: now[0])
+    windows = _gate_windows(gate, long_clip.tokens, [0] * streams, before_step=next_step)
+    first = {answer: w[0][1][1] for answer, w in windows.items()}  # answer -> its first window's lookahead
+    assert first == {f"a{i}": 2 if streams == 1 else 10 for i in range(streams)}
     assert len(gate) == 0 and gate._streams == 0
 
 
@@ -510,6 +528,37 @@ def test_windows_wait_while_the_save_thread_is_behind(tiny_bagpiper, long_clip):
     assert ramp[:6] == [2, 2, 4, 8, 16, 25] and merged[0] == 2  # the first window never waits
     assert len(merged) < len(ramp) and max(merged) <= 25 and sum(merged) == sum(ramp)
     print("ramp", ramp, "merged", merged)
+
+
+def test_full_windows_leave_together_every_batch_steps(tiny_bagpiper, long_clip):
+    """`codec_batch_steps` 3, four answers starting one step apart: each full-chunk window waits for
+    the next step that is a multiple of 3, so they reach the codec stage on a third of the steps at
+    most; first and ramp windows leave when due, as without it. One answer's windows still tile the
+    clip and decode to it exactly."""
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.streaming import window_settings
+
+    def handed(batch: int) -> dict:
+        """answer -> [(step, new frames)] of its windows; answer i starts i steps later."""
+        gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper),
+                          window_settings({"initial_codec_chunk_frames": 2, "codec_batch_steps": batch}))
+        out = {}
+        for answer, windows in _gate_windows(gate, long_clip.tokens[:-1], [0, 1, 2, 3]).items():
+            ends = [end for _, (end, _) in windows]
+            out[answer] = [(step, end - before) for (step, _), end, before in zip(windows, ends, [0, *ends])]
+        return out
+
+    every, batched = handed(0), handed(3)
+    for answer, windows in batched.items():
+        assert [n for _, n in windows] == [n for _, n in every[answer]]  # the same windows, some later
+        assert all(step % 3 == 0 for step, n in windows if n == 25) and windows[:5] == every[answer][:5]
+    full_steps = {step for windows in batched.values() for step, n in windows if n == 25}
+    assert len(full_steps) < len({step for windows in every.values() for step, n in windows if n == 25})
+    payloads, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2, codec_batch_steps=3),
+                                 long_clip.tokens, gated=True)
+    streamed = _decode(tiny_bagpiper, payloads)
+    assert streamed.shape == long_clip.audio.shape and float((streamed - long_clip.audio).abs().max()) < ATOL
 
 
 def test_a_request_no_codec_stage_takes_gets_no_window(tiny_bagpiper, long_clip):

@@ -53,6 +53,8 @@ def test_defaults_and_overrides():
         ({"codec_playout_margin_steps": 2.5}, "codec_playout_margin_steps must be a non-negative int"),
         ({"codec_paced_max_step_ms": 8}, "codec_paced_max_step_ms applies to paced windows"),
         ({"codec_paced_max_streams": 4}, "codec_paced_max_streams applies to paced windows"),
+        ({"codec_batch_steps": 26}, "codec_batch_steps (26) must be <= codec_chunk_frames (25)"),
+        ({"codec_batch_steps": -1}, "codec_batch_steps must be a non-negative int"),
     ],
 )
 def test_bad_window_settings_name_the_key(extra, key):

@@ -73,6 +73,7 @@ class WindowGate:
         self.cfg, self.settings, self.clock, self.taken = cfg, settings, clock, taken
         self._open: dict[str, _GateState] = {}
         self._streams = 0  # open requests a codec stage takes
+        self._steps = 0  # stage-0 steps ticked (`codec_batch_steps`)
         paced = settings["codec_playout_margin_steps"] > 0
         self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
         # With a pacer, the first lookahead is for paced segments: a ramped one's second window
@@ -86,7 +87,8 @@ class WindowGate:
         return len(self._open)
 
     def tick(self) -> None:
-        """Once per stage-0 step, before its offers: the pacer's clock."""
+        """Once per stage-0 step, before its offers: the step count and the pacer's clock."""
+        self._steps += 1
         if self.pacer is not None:
             self.pacer.tick(self.clock())
 
@@ -131,13 +133,16 @@ class WindowGate:
         return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
     def _held(self, ext_id: str, state: _GateState, window: tuple[int, int]) -> bool:
-        """Whether a due window waits: `codec_queued_windows` of the request's windows are still on
-        the save thread and this one is short of a full chunk (it grows meanwhile: fewer, larger
-        windows while the save thread is behind)."""
-        limit = self.settings["codec_queued_windows"]
-        if not limit or self.taken is None or not state.emitted:
+        """Whether a due window (not a segment's first) waits: a full chunk until a step that is a
+        multiple of `codec_batch_steps` (the answers' full windows leave together); a shorter one
+        while `codec_queued_windows` of the request's windows are still on the save thread (it
+        grows meanwhile: fewer, larger windows while the save thread is behind)."""
+        if not state.emitted:
             return False
-        return state.handed - self.taken(ext_id) >= limit and window[0] - state.emitted < self.settings["codec_chunk_frames"]
+        if window[0] - state.emitted >= self.settings["codec_chunk_frames"]:
+            return self._steps % max(self.settings["codec_batch_steps"], 1) != 0
+        limit = self.settings["codec_queued_windows"]
+        return bool(limit) and self.taken is not None and state.handed - self.taken(ext_id) >= limit
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
         state.handed += 1

@@ -160,9 +160,11 @@ def _next_window(blocks: list[np.ndarray], state: dict[str, int], settings: dict
         raise RuntimeError(f"speech_codec: window [{emitted}, {target}) + {holdback} is not within {total} frames")
     left = min(settings["codec_left_context_frames"], emitted)
     rows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
-    # Frames [emitted - left, total) need rows [emitted - left, total + S - 1) = the buffer's tail.
-    # The window's rows are all audio rows of one segment, >= S of them: [left + new + holdback, Q].
-    codes = host_segment_codes(rows[emitted - left - state["base"] :], cfg)
+    # Frames [emitted - left, target + holdback) need rows [emitted - left, target + holdback + S - 1):
+    # the buffer's tail, less the rows of a window the gate held (`codec_batch_steps`). They are all
+    # audio rows of one segment, >= S of them: [left + new + holdback, Q].
+    end = target + holdback + cfg.num_streams - 1 - state["base"]
+    codes = host_segment_codes(rows[emitted - left - state["base"] : end], cfg)
     state["emitted"] = target
     # Keep only the rows a later window can reach (it starts at emitted - left context).
     drop = max(0, target - settings["codec_left_context_frames"] - state["base"])
