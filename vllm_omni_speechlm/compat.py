@@ -668,7 +668,8 @@ def fork_stage_processes() -> None:
     """Start vllm-omni's stage processes by fork where vLLM would fork its own engine process (no
     CUDA or XPU initialized here, not WSL, not a Ray actor). vllm-omni always spawns them, and a
     spawned stage process imports torch, vLLM, vllm-omni and this project again before its engine
-    starts (31-33 s per stage on an H100 host); a forked one starts with them. Idempotent."""
+    starts; a forked one starts with them. On CUDA vllm-omni's memory admission has initialized CUDA
+    here by then, so they are still spawned. Idempotent."""
     import multiprocessing
 
     import vllm.platforms.interface as platform

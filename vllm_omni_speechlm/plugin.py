@@ -9,8 +9,8 @@ import sys
 EXTRA_PLUGIN_ENV = "SPEECHLM_EXTRA_PLUGIN"
 # vllm-omni's engine, loaded where stages are started (`vllm serve --omni`, `Omni(...)`).
 ENGINE_MODULE = "vllm_omni.engine.omni_engine_base"
-# Set to 1 to start `vllm serve`'s stage processes by fork instead of vllm-omni's spawn (off by
-# default: docs/architecture.md, "Start-up and deploy checks").
+# Set to 1 to start `vllm serve`'s stage processes by fork instead of vllm-omni's spawn where no
+# CUDA is initialized (off by default: docs/architecture.md, "Start-up and deploy checks").
 FORK_STAGES_ENV = "SPEECHLM_FORK_STAGES"
 
 
