@@ -13,7 +13,11 @@ geometry). Every answer asks for exactly --gen-len audio frames
 At each concurrency level N clients post at once, each streaming one audio-only answer (raw PCM, or
 SSE with `--format sse`) to a text of its own (one question, numbered: stage 0's prefix caching
 shares the system turn and the guidance companions' prompts, as in real traffic, not the whole
-prompt), and the client times every chunk. Per level:
+prompt), and the client times every chunk. `--arrivals steady` (levels "N steady") keeps N answers
+streaming instead, as a service sees them once it runs: client i joins i/N of one answer's audio
+length after the level starts and then streams answers back to back; the answers sent in the
+--steady-s after the last client joined are measured, and the clients go on until each of those
+is done, so every measured answer had N open beside it. Per level:
     first audio   request sent -> first audio bytes: p50 / p90 / max
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
@@ -126,8 +130,9 @@ async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
                 audio = _sse_audio(piece) if sse else piece
                 if audio:
                     chunks.append((time.perf_counter() - sent, len(audio) / 2 / SAMPLE_RATE))
-    except (httpx.HTTPError, RuntimeError) as e:
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    except (httpx.HTTPError, RuntimeError) as e:  # when, and after how much audio: a stage dying shows as one moment
+        heard = sum(seconds for _, seconds in chunks)
+        return {"error": f"{type(e).__name__} after {time.perf_counter() - sent:.2f} s, {heard:.2f} s of audio: {e}"[:300]}
     wall = time.perf_counter() - sent
     audio_s = sum(seconds for _, seconds in chunks)
     return {
@@ -250,6 +255,14 @@ class ServerDown(RuntimeError):
     """/health failed while a level's requests were open (a dead engine leaves them hanging)."""
 
 
+def health(url: str) -> int | str:
+    """/health's status code, or why there was none."""
+    try:
+        return httpx.get(url + "/health", timeout=30).status_code
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"[:300]
+
+
 async def _until_unhealthy(client: httpx.AsyncClient) -> str:
     while True:
         await asyncio.sleep(HEALTH_EVERY_S)
@@ -261,12 +274,47 @@ async def _until_unhealthy(client: httpx.AsyncClient) -> str:
             return f"/health: HTTP {r.status_code}"
 
 
-async def run_level(url: str, n: int, request, summary) -> dict:
-    """N requests at once -> `summary(results, wall s)`; ServerDown if /health fails meanwhile."""
+class Steady:
+    """N clients streaming answers back to back, their joins spread over `join_s`; the answers
+    sent in the `window_s` after the last join are the measured ones, and at least one per client
+    (a server slower than real time may take the whole window for one answer)."""
+
+    def __init__(self, n: int, join_s: float, window_s: float):
+        self.n, self.join_s, self.window_s = n, join_s, window_s
+        self.opens_at = join_s * (n - 1) / n
+        self.closes_at = self.opens_at + window_s
+        self.open = 0  # measured answers not done yet
+        self.unmeasured = n  # clients that have not sent a measured answer yet
+        self.sends_s = window_s  # from the window's start to the last measured send, at least the window
+
+    async def client(self, request, client: httpx.AsyncClient, i: int, start: float) -> list[dict]:
+        await asyncio.sleep(i * self.join_s / self.n)
+        measured = []
+        for k in itertools.count():
+            at = time.perf_counter() - start
+            if at >= self.closes_at and not self.open and not self.unmeasured:
+                return measured
+            counted = self.opens_at <= at and (at < self.closes_at or not measured)
+            self.unmeasured -= counted and not measured
+            self.open += counted
+            self.sends_s = max(self.sends_s, counted * (at - self.opens_at))
+            answer = await request(client, i + k * self.n)
+            self.open -= counted
+            if counted:
+                measured.append(answer)
+
+
+async def run_level(url: str, n: int, request, summary, steady: Steady | None = None) -> dict:
+    """N requests at once (or N streaming steadily) -> `summary(results, wall s)`; ServerDown if
+    /health fails meanwhile."""
     limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
         start = time.perf_counter()
-        answers = asyncio.ensure_future(asyncio.gather(*(request(client, i) for i in range(n))))
+        if steady:
+            clients = (steady.client(request, client, i, start) for i in range(n))
+        else:
+            clients = (request(client, i) for i in range(n))
+        answers = asyncio.ensure_future(asyncio.gather(*clients))
         watch = asyncio.ensure_future(_until_unhealthy(client))
         await asyncio.wait({answers, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not answers.done():
@@ -274,32 +322,42 @@ async def run_level(url: str, n: int, request, summary) -> dict:
             await asyncio.gather(answers, return_exceptions=True)
             raise ServerDown(watch.result())
         watch.cancel()
+        if steady:
+            return summary([a for client_answers in answers.result() for a in client_answers], steady.sends_s)
         return summary(answers.result(), time.perf_counter() - start)
 
 
-def measure(url: str, levels: list[str], request, summary, report: dict, save) -> None:
-    """Each level `N` or `N cfg=X`: N requests at once, and what the server saw meanwhile. A level
+def measure(url: str, levels: list[str], request, summary, report: dict, save,
+            steady_s: tuple[float, float] | None = None) -> None:
+    """Each level `N`, `N steady` or either with ` cfg=X`: N requests at once (or N streaming
+    steadily, `steady_s` = (join, window) seconds), and what the server saw meanwhile. A level
     whose server goes down is recorded as such, and the levels after it are not run."""
     for level in levels:
         before = scrape(url)
+        n = int(level.split()[0])
+        steady = Steady(n, *steady_s) if steady_s and " steady" in level else None
         try:
             with sampled_phase(f"{level} burst", then=level, after_s=BURST_S):
-                stats = asyncio.run(run_level(url, int(level.split()[0]), request(level), summary))
+                stats = asyncio.run(run_level(url, n, request(level), summary, steady))
         except ServerDown as e:
             report[level] = {"server_down": str(e)}
             save()
             print(level, "server down:", e, flush=True)
             return
+        if stats.get("errors"):  # a dead stage fails every answer at once, maybe before the watch looks
+            stats["health_after"] = health(url)
         report[level] = stats | {"server": server_summary(before, scrape(url))}
         save()
         print(level, json.dumps({k: v for k, v in report[level].items() if k not in ("error_samples", "first_chunks")}), flush=True)
 
 
-def level_names(levels: list[int], cfgs: list[float | None]) -> dict[str, float | None]:
-    """{"N", or "N cfg=X" when several: the guidance of the level's answers (None: the checkpoint's)}."""
+def level_names(levels: list[int], cfgs: list[float | None], arrivals: list[str]) -> dict[str, float | None]:
+    """{"N" ("N steady"), with " cfg=X" when several: the guidance of the level's answers (None: the
+    checkpoint's)}."""
+    names = [f"{n}{' steady' if a == 'steady' else ''}" for a in arrivals for n in levels]
     if len(cfgs) == 1:
-        return {str(n): cfgs[0] for n in levels}
-    return {f"{n} cfg={c:g}": c for c in cfgs for n in levels}
+        return dict.fromkeys(names, cfgs[0])
+    return {f"{name} cfg={c:g}": c for c in cfgs for name in names}
 
 
 def first_requests(server: VllmServer, request, summary) -> dict:
@@ -317,7 +375,7 @@ def serve_speech(model_dir: str, deploy_name: str, suffix: str, args, levels: li
     body |= {"stream": True, "stream_format": "sse"} if args.format == "sse" else {"stream_format": "audio"}
     log = work / f"speech{suffix.replace(' @', '_')}.log"
     with VllmServer(model_dir, ["--omni", "--deploy-config", deploy], log, entrypoint=VLLM_SERVE) as server:
-        scales = {name + suffix: cfg for name, cfg in level_names(levels, args.cfg_scale or [None]).items()}
+        scales = {name + suffix: cfg for name, cfg in level_names(levels, args.cfg_scale or [None], args.arrivals).items()}
 
         answers = itertools.count()  # every answer its own text: prefix caching shares only what traffic shares
 
@@ -327,7 +385,7 @@ def serve_speech(model_dir: str, deploy_name: str, suffix: str, args, levels: li
                                        args.format == "sse")
 
         report["first_requests"]["speech" + suffix] = first_requests(server, request(next(iter(scales))), speech_summary)
-        measure(server.url, list(scales), request, speech_summary, report["speech"], save)
+        measure(server.url, list(scales), request, speech_summary, report["speech"], save, args.steady)
 
 
 def main() -> None:
@@ -343,10 +401,15 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="change one stage setting of the deploy YAML (diagnosis)")
     ap.add_argument("--engines", nargs="+", default=["speech", "text"], choices=["speech", "text"])
+    ap.add_argument("--arrivals", nargs="+", default=["burst"], choices=["burst", "steady"],
+                    help="N answers sent at once, and/or N kept streaming (levels 'N steady')")
+    ap.add_argument("--steady-s", type=float, help="seconds of sends measured per steady level (default: two answers' audio)")
     ap.add_argument("--workdir", help="checkpoints and server logs (default: a temporary folder)")
     args = ap.parse_args()
     levels = args.concurrency or ([1, 4] if args.tiny else [1, 16, 64, 128, 192, 256])
     frames = args.gen_len or (60 if args.tiny else 300)
+    answer_s = (frames - DELAY_STEPS) / 50
+    args.steady = (answer_s, args.steady_s or 2 * answer_s)  # clients join over one answer's audio
     deploys = args.deploy or ["bagpiper_streaming_cpu_tiny.yaml" if args.tiny else "bagpiper_streaming.yaml"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serve-load-"))
 
@@ -358,7 +421,7 @@ def main() -> None:
         "benchmark": "serve_load", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device_name(),
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
         "settings": vars(args) | {"levels": levels, "gen_len": frames, "deploy": deploys,
-                                  "audio_s_per_answer": (frames - DELAY_STEPS) / 50, "buffer_s": BUFFER_S,
+                                  "audio_s_per_answer": answer_s, "buffer_s": BUFFER_S,
                                   "env": {k: v for k, v in os.environ.items() if k in SERVER_ENV}},
         "first_requests": {}, "speech": {}, "text": {}, "failed": {},
     }
@@ -389,7 +452,8 @@ def main() -> None:
                 return lambda c, i: complete(c, text_dir, frames, i)
 
             report["first_requests"]["text"] = first_requests(server, request(""), text_summary)
-            measure(server.url, [str(n) for n in levels], request, text_summary, report["text"], save)
+            measure(server.url, list(level_names(levels, [None], args.arrivals)), request, text_summary, report["text"],
+                    save, args.steady)
     save()
 
 

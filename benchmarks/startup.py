@@ -24,6 +24,9 @@ overrides of `streaming_latency.py`, written next to the results. The JSON is re
 every start, so a run cut short keeps what it measured. With `benchmarks/stack_sampler` on
 PYTHONPATH and SPEECHLM_STACK_SAMPLES set, every process is sampled under the phases
 "<start> start" (launch to ready) and "<start> requests" (`stack_samples.py` summarizes them).
+`bytecode` records, per package, the share of its modules with compiled bytecode: pip compiles it
+at install, and where it is missing (`--no-compile` with PYTHONDONTWRITEBYTECODE=1) every process
+compiles vLLM and vllm-omni from source at each start.
 """
 
 from __future__ import annotations
@@ -170,6 +173,21 @@ def cache_files(caches: dict[str, str]) -> set[str]:
             for f in root.rglob("*") if f.is_file()}
 
 
+def bytecode_share(packages=("vllm", "vllm_omni", "torch", "transformers")) -> dict:
+    """Per package, the share of its modules with compiled bytecode beside them. Without it (an
+    install with `--no-compile` where PYTHONDONTWRITEBYTECODE=1 keeps imports from writing it) every
+    process compiles those modules from source at each start."""
+    import importlib
+    import importlib.util
+
+    shares = {}
+    for name in packages:
+        sources = list(Path(importlib.import_module(name).__file__).parent.rglob("*.py"))
+        compiled = sum(Path(importlib.util.cache_from_source(str(f))).exists() for f in sources)
+        shares[name] = round(compiled / max(len(sources), 1), 3)
+    return shares | {"PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
+
+
 def cache_env(root: Path) -> dict[str, str]:
     """Every compile cache a start writes, under `root` (a fresh root: a cold start)."""
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
@@ -239,6 +257,7 @@ def main() -> None:
     import vllm
 
     report = {"device": device_name(), "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+              "bytecode": bytecode_share(),
               "settings": vars(args) | {"deploy": Path(deploy).name}, "date": time.strftime("%Y-%m-%d"), "starts": {}}
     if Path(args.out).exists():  # a later invocation with the same --workdir adds its starts
         report["starts"] = json.loads(Path(args.out).read_text())["starts"]

@@ -62,10 +62,70 @@ def test_a_level_stops_when_the_server_goes_down(monkeypatch):
         server.server_close()
 
 
+def test_steady_clients_keep_n_answers_open_around_every_measured_one():
+    """Clients join spread over join_s; each answer sent in the window after the last join is
+    measured, and stays beside n - 1 others from its send to its end."""
+    import asyncio
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import Steady
+
+    n, steady, open_now, log = 4, Steady(4, join_s=0.4, window_s=0.5), [0], []
+
+    async def answer(client, i):
+        open_now[0] += 1
+        sent, beside = time.perf_counter() - start, open_now[0]
+        await asyncio.sleep(0.15 + 0.02 * (i % 3))
+        beside = min(beside, open_now[0])
+        open_now[0] -= 1
+        log.append(i)
+        return {"i": i, "sent": sent, "open": beside}
+
+    async def level():
+        return await asyncio.gather(*(steady.client(answer, None, i, start) for i in range(n)))
+
+    start = time.perf_counter()
+    measured = [a for answers in asyncio.run(level()) for a in answers]
+    assert steady.opens_at == pytest.approx(0.3)
+    assert len(measured) >= n * 2 and not steady.open
+    assert all(0.3 <= a["sent"] < 0.8 and a["open"] == n for a in measured), measured
+    assert len(log) > len(measured)  # the joins before the window and the answers after it are not measured
+
+
+def test_steady_clients_each_measure_an_answer_when_answers_outlast_the_window():
+    """A server slower than real time: an answer takes longer than the window, yet every client
+    measures one, beside n - 1 others, and the level's send span covers them."""
+    import asyncio
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import Steady
+
+    n, steady, open_now = 3, Steady(3, join_s=0.3, window_s=0.1), [0]
+
+    async def answer(client, i):
+        open_now[0] += 1
+        beside = open_now[0]
+        await asyncio.sleep(0.4)
+        beside = min(beside, open_now[0])
+        open_now[0] -= 1
+        return {"i": i, "open": beside}
+
+    async def level():
+        return await asyncio.gather(*(steady.client(answer, None, i, start) for i in range(n)))
+
+    start = time.perf_counter()
+    per_client = asyncio.run(level())
+    assert all(len(answers) == 1 for answers in per_client), per_client
+    assert all(a["open"] == n for answers in per_client for a in answers)
+    assert steady.sends_s > steady.window_s and not steady.open and not steady.unmeasured
+
+
 def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path):
     out = tmp_path / "serve_load.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--tiny", "--out", str(out),
-           "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30"]
+           "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30", "--arrivals", "burst", "steady"]
     samples = tmp_path / "stacks"  # every process sampled while a level runs (benchmarks/stack_sampler)
     env = os.environ | {"PYTHONUNBUFFERED": "1", "VLLM_OMNI_EVENT_DRIVEN_ORCH": "0", "SPEECHLM_STACK_SAMPLES": str(samples),
                         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
@@ -81,6 +141,9 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     arrivals = [at for at, _ in speech["first_chunks"]]  # one listener's timeline
     assert arrivals == sorted(arrivals) and all(seconds > 0 for _, seconds in speech["first_chunks"])
     assert text["errors"] == 0 and text["decode_tok_s_per_request_p50"] > 0
+    for steady in (report["speech"]["2 steady"], report["text"]["2 steady"]):  # two kept streaming
+        assert steady["requests"] >= 2 and steady["errors"] == 0, steady
+    assert report["speech"]["2 steady"]["without_audio"] == 0
     # What the server saw: stage 0 stepped a batch of both answers, stage 1 decoded windows.
     assert speech["server"]["steps[0]"] >= 30 and speech["server"]["tokens_per_step[0]"] > 1
     assert speech["server"]["steps[1]"] > 0 and speech["server"]["step_s[0]"] > 0

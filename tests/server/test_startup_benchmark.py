@@ -63,6 +63,24 @@ def test_first_request_names_what_it_added_to_the_caches(tmp_path):
     assert out["first_request_cache_files_count"] == 1 and out["seconds"] == [0.1] * 3
 
 
+def test_bytecode_share_counts_the_modules_compiled_beside_their_source(tmp_path, monkeypatch):
+    import py_compile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from startup import bytecode_share
+
+    pkg = tmp_path / "half_compiled"
+    pkg.mkdir()
+    for name in ("__init__", "a", "b", "c"):
+        (pkg / f"{name}.py").write_text("X = 1\n")
+    for name in ("__init__", "a"):
+        py_compile.compile(str(pkg / f"{name}.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # importing it below writes no more
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert bytecode_share(("half_compiled",)) == {"half_compiled": 0.5, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
     out = tmp_path / "startup.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--tiny", "--out", str(out),
@@ -72,8 +90,10 @@ def test_tiny_run_starts_both_servers_and_times_their_first_requests(tmp_path):
                         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    starts = json.loads(out.read_text())["starts"]
+    report = json.loads(out.read_text())
+    starts = report["starts"]
     assert list(starts) == ["speech cold 1", "text cold 2"]
+    assert report["bytecode"]["vllm"] > 0.9  # a pip install compiles it
     for name, start in starts.items():
         assert "error" not in start, start
         assert start["ready_s"] > 0 and len(start["requests"]["seconds"]) == 2
