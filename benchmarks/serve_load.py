@@ -16,8 +16,9 @@ shares the system turn and the guidance companions' prompts, as in real traffic,
 prompt), and the client times every chunk. `--arrivals steady` (levels "N steady") keeps N answers
 streaming instead, as a service sees them once it runs: client i joins i/N of one answer's audio
 length after the level starts and then streams answers back to back; the answers sent in the
---steady-s after the last client joined are measured, and the clients go on until each of those
-is done, so every measured answer had N open beside it. Per level:
+--steady-s after the last client joined are measured (and each client's first after that, where
+an answer outlasts the window), and the clients go on until each of those is done, so every
+measured answer had N open beside it. Per level:
     first audio   request sent -> first audio bytes: p50 / p90 / max
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
