@@ -16,6 +16,7 @@ woke (the per-second medians' median, the largest).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import statistics
@@ -55,7 +56,27 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
     out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3]), *(round(c, 1) for c in x[4:] if c is not None)]
                           for x in steps[:FIRST_STEPS]]
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
+    out["step_kinds"] = step_kinds(steps, lines)
     return out
+
+
+def step_kinds(steps: list[tuple[float, ...]], forwards: list[tuple[float, ...]]) -> dict:
+    """Stage 0's steps by what else happened in them, the first that applies: a prompt joined
+    (tokens > rows), rows left (fewer than the step before), a forward of stage 1 ran in part of
+    it (the two processes share the GPU), or none: count and ms p50 / p90 each. `codec_ms_per_s`:
+    stage 1's forwards per second of the steps' span."""
+    spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)  # stage 1 runs one forward at a time
+    ends = [b for _, b in spans]
+    kinds: dict[str, list[float]] = {"join": [], "leave": [], "codec": [], "plain": []}
+    for before, (t, ms, rows, tokens, *_) in zip([None, *steps], steps):
+        i = bisect.bisect_right(ends, t - ms / 1e3)  # the first forward that ends in or after the step
+        overlaps = i < len(spans) and spans[i][0] < t
+        kind = ("join" if tokens > rows else "leave" if before is not None and rows < before[2]
+                else "codec" if overlaps else "plain")
+        kinds[kind].append(ms)
+    span_s = steps[-1][0] - steps[0][0] + steps[0][1] / 1e3 if steps else 0.0
+    out = {k: {"n": len(v), "p50": _pct(v, 0.5), "p90": _pct(v, 0.9)} for k, v in kinds.items()}
+    return out | {"codec_ms_per_s": sum(b - a for a, b in spans) * 1e3 / span_s if span_s else None}
 
 
 def main() -> None:

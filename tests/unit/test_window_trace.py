@@ -149,3 +149,17 @@ def test_an_admit_line_gives_the_time_since_arrival_and_the_scheduler_work(monke
     [line] = [r.getMessage() for r in caplog.records]
     since, added = (float(x) for x in re.search(r"since_arrival_ms=([\d.]+) add_ms=([\d.]+)", line).groups())
     assert line.startswith(window_trace.ADMIT_LINE) and 295 < since < 400 and 1.9 < added < 100
+
+
+def test_steps_are_told_apart_by_a_joining_prompt_rows_leaving_and_a_codec_forward_beside_them():
+    from window_trace import step_kinds
+
+    # (t, ms, rows, tokens, cpu, proc): steps ending at 1.010 .. 1.060 s
+    steps = [(1.010, 10.0, 4, 4, 1, 1), (1.020, 10.0, 4, 4, 1, 1), (1.040, 20.0, 6, 90, 1, 1),
+             (1.050, 10.0, 4, 4, 1, 1), (1.060, 10.0, 4, 4, 1, 1)]
+    # stage 1: one forward of 5 ms ending at 1.058 (inside the last step), one long before
+    forwards = [(0.5, 2, 60, 1.0, 1.0, 5.0, None), (1.058, 2, 60, 1.0, 1.0, 5.0, None)]
+    kinds = step_kinds(steps, forwards)
+    assert {k: v["n"] for k, v in kinds.items() if k != "codec_ms_per_s"} == {"join": 1, "leave": 1, "codec": 1, "plain": 2}
+    assert kinds["join"]["p50"] == 20.0 and kinds["codec"]["p50"] == 10.0
+    assert kinds["codec_ms_per_s"] == pytest.approx(10.0 / 0.060)
