@@ -8,7 +8,8 @@ Per level (the lines between the level's first request and its end): stage 1's f
 per forward, the interval between forwards, the wait from a window's making in stage 0 to the
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
-steps, the level's first steps (ms, rows, tokens, CPU ms each) and the step's wall and CPU time; how long after its
+steps, the level's first steps (ms, rows, tokens, CPU ms each), the step's wall and CPU time, and the
+steps by kind (a prompt joined, rows left, a codec forward beside it, none); how long after its
 request the API server sent an answer's first bytes; and how late the API server's event loop
 woke (the per-second medians' median, the largest).
 """
