@@ -10,10 +10,9 @@ import os
 import pytest
 import torch
 
-from conftest import worker_sum
+from conftest import live_requests, step_graphs_eagerly, worker_sum
 from test_prefix_caching import SYSTEM
 from test_stage0_engine import PROMPTS
-from test_step_graphs import _use_graphs
 
 ENGINE = dict(dtype="float32", enforce_eager=True, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3,
               enable_prefix_caching=True, block_size=32)
@@ -28,16 +27,12 @@ def generator(tiny_bagpiper):
         yield gen
 
 
-def _live_requests(model) -> int:
-    return len(model.steps)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the float32 reference equals the engine bitwise on CPU only")
-@pytest.mark.parametrize("graphs", ["eager", None])
+@pytest.mark.parametrize("graphs", [True, False], ids=["step-graphs", "no-step-graphs"])
 def test_pairs_joining_as_others_leave_equal_the_reference(generator, reference, graphs):
     from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 
-    worker_sum(generator.omni, functools.partial(_use_graphs, graphs, None))
+    worker_sum(generator.omni, functools.partial(step_graphs_eagerly, graphs))
     try:
         # One seed: a batch shares one engine SamplingParams (`SpeechLMGenerator.run`).
         kws = [dict(modality="audio", cfg_scale=3.0, seed=5, min_audio_frames=6 + 5 * (i % 4),
@@ -48,6 +43,6 @@ def test_pairs_joining_as_others_leave_equal_the_reference(generator, reference,
         differ = [i for i, (ids, kw, result) in enumerate(zip(prompts, kws, results))
                   if not torch.equal(torch.tensor(result["stream_token_ids"]), reference.generate(ids, SpeechSamplingParams(**kw)).tokens)]
         assert not differ, differ
-        assert worker_sum(generator.omni, _live_requests) == 0  # every slot released
+        assert worker_sum(generator.omni, live_requests) == 0  # every slot released
     finally:
-        worker_sum(generator.omni, functools.partial(_use_graphs, None, None))
+        worker_sum(generator.omni, functools.partial(step_graphs_eagerly, False))
