@@ -296,9 +296,10 @@ class Steady:
             if at >= self.closes_at and not self.open and not self.unmeasured:
                 return measured
             counted = self.opens_at <= at and (at < self.closes_at or not measured)
-            self.unmeasured -= counted and not measured
-            self.open += counted
-            self.sends_s = max(self.sends_s, counted * (at - self.opens_at))
+            if counted:
+                self.unmeasured -= not measured
+                self.open += 1
+                self.sends_s = max(self.sends_s, at - self.opens_at)
             answer = await request(client, i + k * self.n)
             self.open -= counted
             if counted:

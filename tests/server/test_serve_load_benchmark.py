@@ -62,61 +62,54 @@ def test_a_level_stops_when_the_server_goes_down(monkeypatch):
         server.server_close()
 
 
-def test_steady_clients_keep_n_answers_open_around_every_measured_one():
-    """Clients join spread over join_s; each answer sent in the window after the last join is
-    measured, and stays beside n - 1 others from its send to its end."""
+def _steady_level(steady, n: int, answer_s) -> tuple[list[list[dict]], int]:
+    """n clients of `steady` streaming fake answers of `answer_s(i)` seconds -> each client's
+    measured answers ({"i", "sent", "open": the fewest answers open at its send and its end}) and
+    how many answers were sent in all."""
     import asyncio
     import time
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from serve_load import Steady
-
-    n, steady, open_now, log = 4, Steady(4, join_s=0.4, window_s=0.5), [0], []
+    open_now, sent_in_all = [0], [0]
 
     async def answer(client, i):
         open_now[0] += 1
+        sent_in_all[0] += 1
         sent, beside = time.perf_counter() - start, open_now[0]
-        await asyncio.sleep(0.15 + 0.02 * (i % 3))
+        await asyncio.sleep(answer_s(i))
         beside = min(beside, open_now[0])
         open_now[0] -= 1
-        log.append(i)
         return {"i": i, "sent": sent, "open": beside}
 
     async def level():
         return await asyncio.gather(*(steady.client(answer, None, i, start) for i in range(n)))
 
     start = time.perf_counter()
-    measured = [a for answers in asyncio.run(level()) for a in answers]
+    return asyncio.run(level()), sent_in_all[0]
+
+
+def test_steady_clients_keep_n_answers_open_around_every_measured_one():
+    """Clients join spread over join_s; each answer sent in the window after the last join is
+    measured, and stays beside n - 1 others from its send to its end."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import Steady
+
+    n, steady = 4, Steady(4, join_s=0.4, window_s=0.5)
+    per_client, sent = _steady_level(steady, n, lambda i: 0.15 + 0.02 * (i % 3))
+    measured = [a for answers in per_client for a in answers]
     assert steady.opens_at == pytest.approx(0.3)
     assert len(measured) >= n * 2 and not steady.open
     assert all(0.3 <= a["sent"] < 0.8 and a["open"] == n for a in measured), measured
-    assert len(log) > len(measured)  # the joins before the window and the answers after it are not measured
+    assert sent > len(measured)  # the joins before the window and the answers after it are not measured
 
 
 def test_steady_clients_each_measure_an_answer_when_answers_outlast_the_window():
     """A server slower than real time: an answer takes longer than the window, yet every client
     measures one, beside n - 1 others, and the level's send span covers them."""
-    import asyncio
-    import time
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from serve_load import Steady
 
-    n, steady, open_now = 3, Steady(3, join_s=0.3, window_s=0.1), [0]
-
-    async def answer(client, i):
-        open_now[0] += 1
-        beside = open_now[0]
-        await asyncio.sleep(0.4)
-        beside = min(beside, open_now[0])
-        open_now[0] -= 1
-        return {"i": i, "open": beside}
-
-    async def level():
-        return await asyncio.gather(*(steady.client(answer, None, i, start) for i in range(n)))
-
-    start = time.perf_counter()
-    per_client = asyncio.run(level())
+    n, steady = 3, Steady(3, join_s=0.3, window_s=0.1)
+    per_client, _ = _steady_level(steady, n, lambda i: 0.4)
     assert all(len(answers) == 1 for answers in per_client), per_client
     assert all(a["open"] == n for answers in per_client for a in answers)
     assert steady.sends_s > steady.window_s and not steady.open and not steady.unmeasured
