@@ -179,6 +179,38 @@ def _live(generator) -> int:
     return worker_sum(generator.omni, live_requests)
 
 
+def _watch_backbone_inputs(model) -> int:
+    """Record the address and rows of every input the backbone gets (for `worker_sum`)."""
+    backbone, seen = model.model, []
+
+    def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        seen.append((inputs_embeds.data_ptr(), inputs_embeds.shape[0]))
+        return type(backbone).forward(backbone, input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    forward.seen = seen
+    backbone.forward = forward
+    return 0
+
+
+def _backbone_inputs(model) -> tuple[int, int]:
+    """(inputs the backbone got outside the fixed input buffer, distinct row counts); the watch removed."""
+    seen = model.model.__dict__.pop("forward").seen
+    fixed = getattr(model, "backbone_input", None)
+    outside = [ptr for ptr, _ in seen if fixed is None or ptr != fixed.data_ptr()]
+    return len(outside), len({rows for _, rows in seen})
+
+
+def test_backbone_input_stays_at_one_address(generator):
+    """vLLM's piecewise CUDA graphs (steps with prompt tokens) read their inputs where they were
+    captured: every step's summed embeddings must reach the backbone in the one fixed buffer."""
+    worker_sum(generator.omni, _watch_backbone_inputs)
+    generator.generate(PROMPTS, modality="audio", max_tokens=6, seed=0)
+    generator.generate(PROMPTS[1], modality="audio", max_tokens=4, seed=1)
+    outside, sizes = flatten(generator.omni.engine.collective_rpc("apply_model", args=(_backbone_inputs,), stage_ids=[0]))
+    assert outside == 0
+    assert sizes >= 3  # prompts of several lengths and single decode rows
+
+
 def test_state_is_freed_after_finish(generator):
     generator.generate(PROMPTS[:2], modality="audio", max_tokens=8, seed=0)
     assert _live(generator) == 0

@@ -64,6 +64,9 @@ class SpeechLMForCausalLM(nn.Module):
         # Summed aux-stream embeddings of each scheduled token, at a fixed address (CUDA graphs).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.register_buffer("aux_input", torch.zeros(tokens, hf.hidden_size), persistent=False)
+        # The backbone's input (stream 0 + aux streams), also at a fixed address: vLLM's piecewise
+        # CUDA graphs (steps with prompt tokens) read their inputs where they were captured.
+        self.register_buffer("backbone_input", torch.zeros(tokens, hf.hidden_size), persistent=False)
         self.steps = SpeechLMSteps(self, vllm_config)
 
     def make_backbone(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -96,11 +99,14 @@ class SpeechLMForCausalLM(nn.Module):
         **_: Any,
     ) -> torch.Tensor:
         # stream 0 (a multimodal model's runner embeds it, audio features included) plus the aux
-        # streams staged by prepare_runner_inputs
+        # streams staged by prepare_runner_inputs, summed into the fixed input buffer: a new tensor
+        # there would leave a piecewise graph reading whatever now lies where it was captured
+        # (vLLM's `cudagraph_copy_inputs` is off: its runner passes its own fixed buffers)
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
-        inputs_embeds = inputs_embeds + self.aux_input[: inputs_embeds.shape[0]]
-        return self.model(None, positions, intermediate_tensors, inputs_embeds)
+        n = inputs_embeds.shape[0]
+        summed = torch.add(inputs_embeds, self.aux_input[:n], out=self.backbone_input[:n])
+        return self.model(None, positions, intermediate_tensors, summed)
 
     def aux_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, S-1, W]: each aux stream projected on its own vocabulary slice only; under
