@@ -65,7 +65,8 @@ from devtools.launch import OPENAI_SERVER, VLLM_SERVE, VllmServer  # noqa: E402
 
 PROMPT = "Tell me about the sea."
 # The server's environment that changes what is measured (recorded in the settings).
-SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH", "SPEECHLM_STACK_SAMPLES", "SPEECHLM_TRACE_LAUNCHERS")
+SERVER_ENV = ("SPEECHLM_TRACE_WINDOWS", "VLLM_OMNI_EVENT_DRIVEN_ORCH", "SPEECHLM_STACK_SAMPLES", "SPEECHLM_TRACE_LAUNCHERS",
+              "SPEECHLM_NAN_WATCH")
 BUFFER_S = 0.2
 BURST_S = 1.0  # a level's first second (its requests' arrival and admission), sampled as a phase of its own
 STALL_FREE_S = 1e-3

@@ -16,6 +16,8 @@ SPEECHLM_TRACE_SPAWNS=1      a `spawn trace: t=<epoch> pid=<pid> <event>` line o
                              it has re-run the parent's main module (`prepared`) and when it has
                              unpickled its target and runs it (`run <name>`): where a stage
                              process's start goes before it logs anything.
+SPEECHLM_NAN_WATCH=1         stage 0 reports where non-finite values enter its rows and its KV
+                             cache (nan_watch.py; it slows each step).
 
 Nothing here is imported by the project; it changes no behaviour, only observes.
 """
@@ -30,6 +32,7 @@ from collections import Counter
 _OUT = os.environ.get("SPEECHLM_STACK_SAMPLES")
 _LAUNCHERS = os.environ.get("SPEECHLM_TRACE_LAUNCHERS") == "1"
 _SPAWNS = os.environ.get("SPEECHLM_TRACE_SPAWNS") == "1"
+_NAN_WATCH = os.environ.get("SPEECHLM_NAN_WATCH") == "1"
 _DUMP_EVERY_S = 10.0
 
 
@@ -159,6 +162,10 @@ def _start() -> None:
     threading.Thread(target=_run, args=(interval_s,), name="stack-sampler", daemon=True).start()
 
 
+if _NAN_WATCH:
+    import nan_watch
+
+    nan_watch.install()
 if _SPAWNS:
     _spawn_event("interpreter")
     _hook_spawns()
