@@ -22,7 +22,7 @@ class _Watch:
     def __init__(self, log, to_device):
         self.log, self.to_device = log, to_device
         self.pending = None  # (flags on the host, event, the step's host facts)
-        self.calls = self.bad_steps = 0
+        self.calls = 0
         self.seen: set[str] = set()
         self.first: dict | None = None  # what the first bad step showed
         self.layers = None
@@ -45,24 +45,23 @@ class _Watch:
         import torch
 
         rows, n = steps.rows, hidden.shape[0]
-        slots_np = np.array([0 if e is None else e.slot for e in rows.entries], dtype=np.int64)
-        slots = self.to_device(slots_np, hidden.device)
+        slots = self.to_device(rows.slots, hidden.device)  # every row is admitted by the logits hook
         token_row = self.to_device(np.repeat(np.arange(n), rows.scheduled), hidden.device)
         tokens = int(rows.scheduled.sum())
         aux_bad = torch.zeros(n, dtype=torch.long, device=hidden.device)
         aux_bad.index_add_(0, token_row, (~torch.isfinite(steps.model.aux_input[:tokens]).all(1)).long())
         self.calls += 1
-        facts = (list(rows.req_ids), slots_np, rows.computed.copy(), rows.scheduled.copy(), rows.prompt_len.copy(),
+        facts = (list(rows.req_ids), rows.slots.copy(), rows.computed.copy(), rows.scheduled.copy(), rows.prompt_len.copy(),
                  self.calls)
-        return [(~torch.isfinite(hidden).all(1)).long(), aux_bad.clamp(max=1), steps.table.phase[slots]], facts
+        return [(~torch.isfinite(hidden).all(1)).long(), aux_bad, steps.table.phase[slots]], facts
 
     def after(self, steps, checks, facts, logits):
         import torch
 
         layers = self.kv_layers(steps.model)
         kv = [(~torch.isfinite(layers[i][1]).all()).long().reshape(1) for i in (0, -1)] if layers else []
-        checks.insert(1, (~torch.isfinite(logits).any(1)).long())
-        flags = torch.cat([torch.stack(checks).flatten(), *kv])
+        logits_bad = (~torch.isfinite(logits).any(1)).long()
+        flags = torch.cat([torch.stack([*checks, logits_bad]).flatten(), *kv])
         host = torch.empty(flags.shape, dtype=torch.long, pin_memory=flags.is_cuda)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event() if flags.is_cuda else None
@@ -80,17 +79,16 @@ class _Watch:
             event.synchronize()
         n = len(req_ids)
         flat = host.numpy()
-        hidden_bad, logits_bad, aux_bad = flat[: 3 * n].reshape(3, n).astype(bool)
-        phase = flat[3 * n : 4 * n]
+        hidden_bad, aux_bad, phase, logits_bad = flat[: 4 * n].reshape(4, n)
+        hidden_bad, aux_bad, logits_bad = hidden_bad > 0, aux_bad > 0, logits_bad > 0
         kv_bad = bool(flat[4 * n :].any())
         bad = hidden_bad | logits_bad | aux_bad
         if not (bad.any() or kv_bad):
             return
-        self.bad_steps += 1
         if self.first is None:
             self.first = {"call": call, "bad_rows": int(bad.sum()), "rows": n, "kv_non_finite": kv_bad}
-            self.log.warning("nan watch: first bad step, call %d: %d of %d rows bad, KV non-finite %s, prompt "
-                             "tokens in the step %d", call, int(bad.sum()), n, kv_bad, int(scheduled[scheduled > 1].sum()))
+            self.log.warning("nan watch: first bad step, call %d: %d of %d rows bad, KV non-finite %s, tokens of "
+                             "rows with more than one %d", call, int(bad.sum()), n, kv_bad, int(scheduled[scheduled > 1].sum()))
             self.first.update(self.scan(model))
         for i in bad.nonzero()[0]:
             if req_ids[i] in self.seen or len(self.seen) >= MAX_ROW_LOGS:
