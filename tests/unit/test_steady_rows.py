@@ -67,9 +67,28 @@ def _runner_output(scheduler_output, step: int) -> OmniModelRunnerOutput:
     ids = list(scheduler_output.num_scheduled_tokens)
     tokens = [[random.Random(f"{step}/{rid}").randrange(VOCAB)] for rid in ids]
     payloads = [{"row": torch.tensor([step, i])} for i in range(len(ids))]
+    handed = [{"handed": (step, rid)} if int(rid[1:]) % 2 else None for rid in ids]  # the chunk adapter's, on odd requests
     return OmniModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens, multimodal_outputs=payloads
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens, multimodal_outputs=payloads,
+        inter_stage_outputs=handed,
     )
+
+
+class ChunkAdapter:
+    """What vllm-omni's update hands the chunk adapter, recorded; any other use of it fails."""
+
+    def __init__(self):
+        self.calls = []
+
+    def save_async(self, payload, request, is_segment_finished, **kwargs):
+        self.calls.append((request.request_id, payload, is_segment_finished, tuple(kwargs.get("new_token_ids") or ()),
+                           kwargs.get("confirmed_num_computed_tokens"), kwargs.get("segment_generation")))
+
+    def _confirmed_num_computed_tokens(self, request):
+        return request.num_computed_tokens
+
+    def cleanup_receiver(self, request_id):
+        self.calls.append((request_id, "cleanup"))
 
 
 def _summary(engine_outputs: dict) -> dict:
@@ -111,8 +130,10 @@ def _run(scheduler, requests, depth: int, aborts: dict[int, str]) -> list:
             in_flight.append(scheduler.schedule())
         if len(in_flight) == depth or not scheduler.has_unfinished_requests():
             scheduler_output = in_flight.pop(0)
+            scheduler.chunk_transfer_adapter = adapter = ChunkAdapter()  # the update's part only (not schedule's)
             outputs = scheduler.update_from_output(scheduler_output, _runner_output(scheduler_output, step))
-            trace.append((_summary(outputs), _state(scheduler)))
+            scheduler.chunk_transfer_adapter = None
+            trace.append((_summary(outputs), _state(scheduler), sorted(map(repr, adapter.calls))))
         step += 1
         assert step < 2000
     return trace
@@ -139,8 +160,9 @@ def test_steady_rows_match_vllm_omni_update(vllm_config, monkeypatch, plain, ste
     for step, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"step {step}"
     assert rows["steady"] > 2 * rows["other"] > 0, rows
+    assert sum(len(calls) for *_, calls in expected) > 50  # the adapter's hand-overs are compared too
     if num_blocks == 8:
-        assert any(r[4] for _, state in expected for r in state.values()), "the small cache must preempt"
+        assert any(r[4] for _, state, _ in expected for r in state.values()), "the small cache must preempt"
 
 
 def test_scheduler_update_benchmark_runs(tmp_path):
