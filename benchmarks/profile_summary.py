@@ -3,7 +3,9 @@
     py-spy record --subprocesses --idle --threads -f raw -o prof.txt -p <benchmark pid>
     python benchmarks/profile_summary.py prof.txt --out summary.json
 
-(`benchmarks/profile_stage0.sh` records such a profile during the 512-request decode.) A
+(`benchmarks/profile_stage0.sh` records such a profile during the 512-request decode.) A profile
+recorded on the engine core's own pid (`-p <pid>`, no `--subprocesses`) and one with `--native`
+frames read the same way; a sample's wait is then told by its last Python frame. A
 component's share is the fraction of the engine core's main-thread samples whose stack contains
 it (inclusive, so nested components overlap); `idle` is the main thread waiting (for work, I/O
 or the GPU). The output thread that serialises each step's results for the client gets its own
@@ -62,13 +64,21 @@ def _package(frame: str) -> str:
 
 def _engine_core_stacks(path: str):
     """The engine core's stacks in a py-spy raw profile: (frames, index of its process frame (a
-    process below the root; its thread follows), sample count)."""
+    process below the root; its thread follows; -1: a profile of the engine core alone), count)."""
     for line in open(path):
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
         core = next((i for i, f in enumerate(frames) if f.startswith("process ") and ENGINE_CORE in f), None)
+        if core is None and frames[0].startswith("thread ") and not any(f.startswith("process ") for f in frames):
+            core = -1
         if core is not None and core + 1 < len(frames):
             yield frames, core, int(count)
+
+
+def _waiting(frames: list[str]) -> bool:
+    """Whether the last Python frame (native ones, `--native`, have no `.py:`) is a wait."""
+    python = [f for f in frames if ".py:" in f]
+    return bool(python) and python[-1].startswith(IDLE)
 
 
 def summarize(path: str, top: int = 40) -> dict:
@@ -77,7 +87,7 @@ def summarize(path: str, top: int = 40) -> dict:
     owners = collections.Counter()  # busy main-thread samples per package of the running frame
     for frames, core, count in _engine_core_stacks(path):
         bare = [_bare(f) for f in frames[core + 2 :]]
-        thread, idle = frames[core + 1], bool(bare) and bare[-1].startswith(IDLE)
+        thread, idle = frames[core + 1], _waiting(bare)
         if "MainThread" in thread:
             main["samples"] += count
             main["idle"] += idle * count
@@ -87,7 +97,7 @@ def summarize(path: str, top: int = 40) -> dict:
                 for function in {_function(f) for f in frames[core + 2 :]}:
                     inclusive[function] += count
                 own[_function(frames[-1])] += count
-                owners[_package(frames[-1])] += count
+                owners[_package(next((f for f in reversed(frames) if ".py:" in f), frames[-1]))] += count
         elif "process_output_sockets" in thread:
             output["samples"] += count
             output["busy"] += (not idle) * count
