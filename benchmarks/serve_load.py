@@ -29,8 +29,9 @@ measured answer had N open beside it. Per level:
     errors, answers without audio
 Text: vLLM's OpenAI server on the backbone alone (same geometry, dummy weights), N streamed
 completions of --gen-len tokens at once (`ignore_eos`); per request decode tok/s = (tokens - 1) /
-(last token - first token). The two servers run one after the other in one invocation. The JSON
-is rewritten after every level, so a run cut short keeps what it measured.
+(last token - first token); a completion that failed or streamed fewer than two tokens is an
+error (`error_samples` says which). The two servers run one after the other in one invocation.
+The JSON is rewritten after every level, so a run cut short keeps what it measured.
 
 Where the time goes (`server` per level, from the server's /metrics before and after the level):
 per stage, the mean time between a request's outputs (stage 0: its step time as the engine
@@ -198,9 +199,11 @@ async def complete(client: httpx.AsyncClient, model: str, tokens: int, seed: int
 def text_summary(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r and r["decode_tok_s"]]
     rates = [r["decode_tok_s"] for r in ok]
+    failed = [r.get("error") or f"{r['tokens']} tokens streamed" for r in results if "error" in r or not r["decode_tok_s"]]
     return {
         "requests": len(results),
-        "errors": len(results) - len(ok),
+        "errors": len(failed),
+        "error_samples": failed[:3],
         "decode_tok_s_per_request_p50": _pct(rates, 0.5),
         "decode_tok_s_per_request_p10": _pct(rates, 0.1),
         "first_token_p50_s": _pct([r["first_token_s"] for r in ok], 0.5),

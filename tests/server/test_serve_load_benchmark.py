@@ -30,6 +30,16 @@ def test_a_listener_stalls_when_its_audio_plays_out_before_the_next_chunk(chunks
     assert stall_s(chunks, buffer_s) == pytest.approx(stalled)
 
 
+def test_a_text_completion_that_streams_under_two_tokens_is_an_error_and_says_so():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import text_summary
+
+    done = {"first_token_s": 0.1, "tokens": 9, "decode_tok_s": 50.0}
+    summary = text_summary([{"error": "HTTP 500"}, {"first_token_s": 0.1, "tokens": 1, "decode_tok_s": None}, done], 2.0)
+    assert summary["errors"] == 2 and summary["error_samples"] == ["HTTP 500", "1 tokens streamed"]
+    assert summary["decode_tok_s_per_request_p50"] == 50.0 and summary["tokens_per_wall_s"] == 4.5
+
+
 def test_a_level_stops_when_the_server_goes_down(monkeypatch):
     """A dead engine leaves streamed requests open: the level ends on the first failed /health
     instead of waiting out the client timeout."""
