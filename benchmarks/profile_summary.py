@@ -69,16 +69,15 @@ def _engine_core_stacks(path: str):
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
         core = next((i for i, f in enumerate(frames) if f.startswith("process ") and ENGINE_CORE in f), None)
-        if core is None and frames[0].startswith("thread ") and not any(f.startswith("process ") for f in frames):
+        if core is None and frames[0].startswith("thread "):  # no process frame above its thread
             core = -1
         if core is not None and core + 1 < len(frames):
             yield frames, core, int(count)
 
 
-def _waiting(frames: list[str]) -> bool:
-    """Whether the last Python frame (native ones, `--native`, have no `.py:`) is a wait."""
-    python = [f for f in frames if ".py:" in f]
-    return bool(python) and python[-1].startswith(IDLE)
+def _last_python(frames: list[str]) -> str | None:
+    """The innermost Python frame (native ones, `--native`, have no `.py:`)."""
+    return next((f for f in reversed(frames) if ".py:" in f), None)
 
 
 def summarize(path: str, top: int = 40) -> dict:
@@ -87,7 +86,8 @@ def summarize(path: str, top: int = 40) -> dict:
     owners = collections.Counter()  # busy main-thread samples per package of the running frame
     for frames, core, count in _engine_core_stacks(path):
         bare = [_bare(f) for f in frames[core + 2 :]]
-        thread, idle = frames[core + 1], _waiting(bare)
+        last = _last_python(bare)
+        thread, idle = frames[core + 1], last is not None and last.startswith(IDLE)
         if "MainThread" in thread:
             main["samples"] += count
             main["idle"] += idle * count
@@ -97,7 +97,7 @@ def summarize(path: str, top: int = 40) -> dict:
                 for function in {_function(f) for f in frames[core + 2 :]}:
                     inclusive[function] += count
                 own[_function(frames[-1])] += count
-                owners[_package(next((f for f in reversed(frames) if ".py:" in f), frames[-1]))] += count
+                owners[_package(_last_python(frames) or frames[-1])] += count
         elif "process_output_sockets" in thread:
             output["samples"] += count
             output["busy"] += (not idle) * count

@@ -197,9 +197,13 @@ async def complete(client: httpx.AsyncClient, model: str, tokens: int, seed: int
 
 
 def text_summary(results: list[dict], wall: float) -> dict:
-    ok = [r for r in results if "error" not in r and r["decode_tok_s"]]
+    ok, failed = [], []
+    for r in results:  # a rate needs two tokens
+        if "error" not in r and r["decode_tok_s"]:
+            ok.append(r)
+        else:
+            failed.append(r.get("error") or f"{r['tokens']} tokens streamed")
     rates = [r["decode_tok_s"] for r in ok]
-    failed = [r.get("error") or f"{r['tokens']} tokens streamed" for r in results if "error" in r or not r["decode_tok_s"]]
     return {
         "requests": len(results),
         "errors": len(failed),
