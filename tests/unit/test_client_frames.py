@@ -123,3 +123,41 @@ def test_a_request_whose_client_reads_no_frames_gets_none():
             assert out.multimodal_output["other"] is not None
     assert sent == {"a": [], "b": [100 + step for step in range(6)]}
     assert len(blocks) == 0 and not blocks._unread
+
+
+def test_inter_stage_rows_cross_a_process_boundary_as_one_buffer():
+    """The runner's inter-stage payloads (async chunks) unpickle to the payloads vllm-omni built,
+    pickling the step's buffer once: vLLM's multiprocess executor reduces every tensor it meets on
+    its own (one buffer each), so per-row views would cost one reduction per row."""
+    import copyreg
+    import io
+    import pickle
+
+    from vllm_omni_speechlm.frames import InterStageRows
+
+    host = torch.arange(4 * 3).reshape(4, 3)
+    frames = FrameRows(host, [True, True, False, True])
+    meta = torch.ones(1)
+    built = [{CODES_KEY: frames.row(0)}, None, {CODES_KEY: frames.row(2)}, {CODES_KEY: frames.row(3), "meta.x": meta}]
+    reduced = []
+
+    def reduce(tensor):
+        reduced.append(tuple(tensor.shape))
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+    def dumps(obj) -> bytes:
+        with io.BytesIO() as bio:
+            pickler = pickle.Pickler(bio, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.dispatch_table = copyreg.dispatch_table | {torch.Tensor: reduce}
+            pickler.dump(obj)
+            return bio.getvalue()
+
+    rows = pickle.loads(dumps(InterStageRows(frames, built)))
+    assert sorted(reduced) == [(1,), (4, 3)]
+    assert len(rows) == 4 and rows[1] is None and rows[2][CODES_KEY].shape == (0, 3)
+    for got, want in zip(rows, built):
+        if want is not None:
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    reduced.clear()
+    dumps(built)  # what crossed before: a reduction per row's view
+    assert len(reduced) == 4

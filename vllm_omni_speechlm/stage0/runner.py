@@ -15,7 +15,8 @@ takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled <
 hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
 in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
 connector accumulating full payloads), vllm-omni's per-request builder is skipped; otherwise it
-puts each request's frame view in its payload as it is. vllm-omni's own prefix cache is left out
+puts each request's frame view in its payload as it is, and the step's inter-stage payloads reach
+the scheduler as one `InterStageRows` (the buffer pickled once under the multiprocess executor). vllm-omni's own prefix cache is left out
 (`compat.without_omni_prefix_cache`), so with vLLM's prefix caching on the frames still go whole.
 Deploy YAMLs select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
 `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
@@ -41,7 +42,7 @@ from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
 from vllm_omni_speechlm.compat import (drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup,
                                        without_omni_prefix_cache)
-from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, StepOutputs
+from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, InterStageRows, StepOutputs
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
 
 logger = init_logger(__name__)
@@ -104,7 +105,10 @@ class SpeechLMRunnerMixin:
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
         elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
             output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) or None for p in output.multimodal_outputs])
-        return output  # else the client gets no per-step payloads (a connector accumulates them)
+        # (neither: the client gets no per-step payloads, a connector accumulates them)
+        if output.inter_stage_outputs is not None:  # async chunks: the frames cross to the scheduler whole
+            output.inter_stage_outputs = InterStageRows(frames, output.inter_stage_outputs)
+        return output
 
     def _build_omni_pooler_payload(self, *, rid: str, idx: int, mm_cpu: dict | None, **kwargs: Any) -> dict:
         """vllm-omni's per-request builder (async chunks, connectors): the row's frame view as it

@@ -89,9 +89,10 @@ class SteadyRowsMixin:
                 request.num_nans_in_logits = nans[req_id]
             if emit:
                 outputs[request.client_index].append(self._steady_output(request, new_token_ids, client_rows, row))
-            if inter_stage is not None and inter_stage[row] is not None:  # as vllm-omni's loop hands it over
+            payload = None if inter_stage is None else inter_stage[row]
+            if payload is not None:  # as vllm-omni's loop hands it over
                 self.chunk_transfer_adapter.save_async(
-                    inter_stage[row], request, False, new_token_ids=new_token_ids, confirmed_num_computed_tokens=None
+                    payload, request, False, new_token_ids=new_token_ids, confirmed_num_computed_tokens=None
                 )
         return outputs, rest
 
