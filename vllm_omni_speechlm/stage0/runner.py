@@ -16,8 +16,9 @@ hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them
 in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
 connector accumulating full payloads), vllm-omni's per-request builder is skipped; otherwise it
 puts each request's frame view in its payload as it is, and the step's inter-stage payloads reach
-the scheduler as one `InterStageRows` (the buffer pickled once under the multiprocess executor). vllm-omni's own prefix cache is left out
-(`compat.without_omni_prefix_cache`), so with vLLM's prefix caching on the frames still go whole.
+the scheduler as one `InterStageRows` (the buffer pickled once under the multiprocess executor).
+vllm-omni's own prefix cache is left out (`compat.without_omni_prefix_cache`), so with vLLM's
+prefix caching on the frames still go whole.
 Deploy YAMLs select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
 `platforms.cpu_worker.CPUSpeechLMARWorker` on CPU). On GPUs it also batches vLLM's own per-request
 loops of an async-scheduled step (`runner_loops.py`).
@@ -105,7 +106,7 @@ class SpeechLMRunnerMixin:
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
         elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
             output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) or None for p in output.multimodal_outputs])
-        # (neither: the client gets no per-step payloads, a connector accumulates them)
+        # Neither: a connector accumulates the payloads, the client gets none per step.
         if output.inter_stage_outputs is not None:  # async chunks: the frames cross to the scheduler whole
             output.inter_stage_outputs = InterStageRows(frames, output.inter_stage_outputs)
         return output
