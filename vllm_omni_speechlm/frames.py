@@ -69,7 +69,7 @@ class InterStageRows(Sequence):
 
     def __init__(self, frames: FrameRows, payloads: Sequence[dict | None]):
         self.frames = frames
-        self._rest = [None if p is None else {k: v for k, v in p.items() if k != CODES_KEY} for p in payloads]
+        self._rest = [None if p is None else without_frames(p) for p in payloads]
         self._framed = [p is not None and CODES_KEY in p for p in payloads]
 
     def __len__(self) -> int:
@@ -78,6 +78,11 @@ class InterStageRows(Sequence):
     def __getitem__(self, row: int) -> dict | None:
         rest = self._rest[row]
         return rest | {CODES_KEY: self.frames.row(row)} if self._framed[row] else rest
+
+
+def without_frames(payload: dict | None) -> dict:
+    """A payload less its frames (`CODES_KEY`)."""
+    return {k: v for k, v in (payload or {}).items() if k != CODES_KEY}
 
 
 def payload_frames(payload: Any) -> torch.Tensor | None:

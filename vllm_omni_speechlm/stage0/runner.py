@@ -43,7 +43,8 @@ from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
 from vllm_omni_speechlm.compat import (drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup,
                                        without_omni_prefix_cache)
-from vllm_omni_speechlm.frames import CODES_KEY, FRAME_ROWS_KWARG, FrameRows, InterStageRows, StepOutputs
+from vllm_omni_speechlm.frames import (CODES_KEY, FRAME_ROWS_KWARG, FrameRows, InterStageRows, StepOutputs,
+                                       without_frames)
 from vllm_omni_speechlm.stage0.runner_loops import BatchedRunnerLoopsMixin
 
 logger = init_logger(__name__)
@@ -102,10 +103,10 @@ class SpeechLMRunnerMixin:
         if len(frames.samples) != len(output.req_ids):
             raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
         if self._client_only_payloads():
-            rest = _without_frames(flat)
+            rest = without_frames(flat)
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
         elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
-            output.multimodal_outputs = StepOutputs(frames, [_without_frames(p) or None for p in output.multimodal_outputs])
+            output.multimodal_outputs = StepOutputs(frames, [without_frames(p) or None for p in output.multimodal_outputs])
         # Neither: a connector accumulates the payloads, the client gets none per step.
         if output.inter_stage_outputs is not None:  # async chunks: the frames cross to the scheduler whole
             output.inter_stage_outputs = InterStageRows(frames, output.inter_stage_outputs)
@@ -117,7 +118,7 @@ class SpeechLMRunnerMixin:
         rows = mm_cpu.get(CODES_KEY) if mm_cpu else None
         if not isinstance(rows, FrameRows):
             return super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=mm_cpu, **kwargs)
-        rest = _without_frames(mm_cpu)
+        rest = without_frames(mm_cpu)
         payload = super()._build_omni_pooler_payload(rid=rid, idx=idx, mm_cpu=rest, **kwargs) if rest else {}
         return payload | {CODES_KEY: rows.row(idx)}
 
@@ -128,10 +129,6 @@ def _row_payloads(outputs: dict[str, Any], num_rows: int) -> list[dict[str, Any]
         if not isinstance(values, (list, tuple)) or len(values) != num_rows:
             raise TypeError(f"speech LM runner: multimodal output {key!r} must hold one tensor per row ({num_rows})")
     return [dict(zip(outputs, row)) for row in zip(*outputs.values())]
-
-
-def _without_frames(payload: dict | None) -> dict:
-    return {k: v for k, v in (payload or {}).items() if k != CODES_KEY}
 
 
 class SpeechLMARModelRunner(SpeechLMRunnerMixin, BatchedRunnerLoopsMixin, GPUARModelRunner):
