@@ -27,6 +27,13 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       cut on stage 0's save thread, its next window waits too, up
                                       to a full chunk: a burst's ramp windows merge instead of
                                       queuing one by one (0: no bound)
+    codec_ramp_min_speed_percent      0 or 101..199: 0, the fixed ramp doubles the audio sent with
+                                      each window, which keeps a listener playing only while stage 0
+                                      makes frames at least twice as fast as real time; N, while it
+                                      makes them between N% and 200% of real time (the measured
+                                      step), each window brings at most (speed - 1) x the frames
+                                      sent so far (at least the first window's): slower windows,
+                                      no gap
     codec_batch_steps                 int, 0..chunk: a window of a full chunk leaves on every N-th
                                       stage-0 step only (first, ramp and last windows when due), so
                                       the codec stage decodes the answers' windows in N times fewer,
@@ -52,8 +59,11 @@ WINDOW_DEFAULTS = {
     "codec_paced_max_streams": 0,  # 0: paced however many answers stream
     "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
     "codec_batch_steps": 0,  # 0: a full window leaves on the step it is due
+    "codec_ramp_min_speed_percent": 0,  # 0: the ramp doubles whatever the pace
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
+RAMP_SPEED_KEY = "codec_ramp_min_speed_percent"
+DOUBLING = 2.0  # the fixed ramp's speed: each window brings as many new frames as were sent
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
 WINDOW_KEY = "window"
 # Per-request first window, in codec frames, in the prompt's additional_information.
@@ -96,6 +106,8 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
     if out["codec_batch_steps"] > chunk:  # a window a chunk per more steps than a chunk's frames falls behind
         raise ValueError(f"connector extra: codec_batch_steps ({out['codec_batch_steps']}) must be <= "
                          f"codec_chunk_frames ({chunk})")
+    if out[RAMP_SPEED_KEY] and not 100 < out[RAMP_SPEED_KEY] < 200:
+        raise ValueError(f"connector extra: {RAMP_SPEED_KEY} must be 0 or in 101..199, got {out[RAMP_SPEED_KEY]}")
     for key in ("codec_paced_max_step_ms", "codec_paced_max_streams"):
         if out[key] and not out["codec_playout_margin_steps"]:
             raise ValueError(f"connector extra: {key} applies to paced windows; set codec_playout_margin_steps too")
@@ -147,21 +159,25 @@ def first_window(info: dict[str, Any], settings: dict[str, int]) -> int:
     return requested_first_window(info) or settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]
 
 
-def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool) -> tuple[int, int] | None:
+def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, int], is_finished: bool,
+                speed: float = DOUBLING) -> tuple[int, int] | None:
     """The fixed ramp. With `total` complete frames and `emitted` already sent: (end, holdback) of
     the window to send now (its new frames are [emitted, end)), or None (not enough new frames yet).
 
     A segment's first window holds back `codec_min_right_holdback_frames`, the others the full
-    lookahead. After a small first window the windows ramp up: each brings as many new frames as
-    all earlier ones together, up to codec_chunk_frames (first 4: 4, 4, 8, 16, 25, 25, ...). The
-    client's buffered audio then doubles per window, so a fast first window does not leave a gap
-    before the second one while generation runs at least twice as fast as real time. A window that
-    waited (`codec_queued_windows`) takes every frame ready, up to codec_chunk_frames."""
+    lookahead. After a small first window the windows ramp up: each brings (speed - 1) x the
+    frames sent so far, at least the first window's, up to codec_chunk_frames (first 4, speed 2:
+    4, 4, 8, 16, 25, 25, ...). A listener who starts at the first window has then heard the
+    frames sent before the last when the last window's frames are made, if stage 0 makes `speed`
+    frames per frame of real time: the window after it arrives before the audio runs out, with
+    the first window's frames to spare for the hand-off's jitter. A window that waited
+    (`codec_queued_windows`) takes every frame ready, up to codec_chunk_frames."""
     if is_finished:
         holdback = 0
     else:
         holdback = settings[MIN_HOLDBACK_KEY] if emitted == 0 else settings["codec_right_holdback_frames"]
-    chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], max(first_chunk, emitted))
+    grown = max(first_chunk, int((speed - 1) * emitted))
+    chunk = first_chunk if emitted == 0 else min(settings["codec_chunk_frames"], grown)
     end = total - holdback if is_finished else min(total - holdback, emitted + max(chunk, settings["codec_chunk_frames"]))
     if end - emitted <= 0 or (not is_finished and end - emitted < chunk):
         return None
@@ -212,8 +228,19 @@ class PlayoutPacer:
     def paces(self) -> bool:
         """Whether a segment starting now is paced: the step is measured, faster than real time
         and within `codec_paced_max_step_ms` (0: no bound)."""
+        if not self.settings["codec_playout_margin_steps"]:
+            return False
         bound = self.settings["codec_paced_max_step_ms"] or self.frame_ms
         return 0 < self.pace_ms < self.frame_ms and self.pace_ms <= bound
+
+    @property
+    def ramp_speed(self) -> float:
+        """The fixed ramp's speed now (`next_window`): the measured frames per frame of real time
+        while within [`codec_ramp_min_speed_percent`, 200%), else doubling (unmeasured, off, fast
+        enough, or so slow that smaller windows would only add decode work)."""
+        floor = self.settings[RAMP_SPEED_KEY] / 100
+        speed = self.frame_ms / self.pace_ms if self.pace_ms else DOUBLING
+        return speed if floor and floor <= speed < DOUBLING else DOUBLING
 
     @property
     def _margin_ms(self) -> float:

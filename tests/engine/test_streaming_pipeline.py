@@ -420,6 +420,23 @@ def test_paced_windows_through_the_gate(tiny_bagpiper, long_clip, min_holdback):
     assert min_holdback == 10 or errors[min_holdback] > 100 * ATOL
 
 
+@pytest.mark.parametrize("step_s", [0.008, 0.0133])
+def test_a_ramp_that_follows_the_step_through_the_gate(tiny_bagpiper, long_clip, step_s):
+    """`codec_ramp_min_speed_percent` 125: at 13.3 ms a step (1.5x real time) the gate's ramp grows
+    by half the frames sent, not by all of them, every window with the full lookahead (whole-clip
+    audio); at 8 ms (faster than twice real time) it is the doubling ramp."""
+    ramp = {"initial_codec_chunk_frames": 2, "codec_ramp_min_speed_percent": 125}
+    followed, _ = feed_processor(TransferManager(tiny_bagpiper, **ramp), long_clip.tokens, gated=True, step_s=step_s)
+    fixed, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2), long_clip.tokens, gated=True)
+
+    def sizes(payloads):
+        return [p.codes.audio.numel() // 8 - p.meta.left_context_size - p.meta.right_holdback_size for p in payloads]
+
+    assert sizes(fixed)[:4] == [2, 2, 4, 8]
+    assert sizes(followed)[:6] == ([2, 2, 2, 3, 4, 6] if step_s > 0.01 else sizes(fixed)[:6])
+    torch.testing.assert_close(_decode(tiny_bagpiper, followed), long_clip.audio, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("rate", [8000, 22050, 48000])
 def test_windows_resampled_tile_the_whole_clip_resampled(tiny_bagpiper, long_clip, rate):
     """At a rate asked for, each window is resampled whole (its context and holdback reach across

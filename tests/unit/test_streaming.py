@@ -139,6 +139,50 @@ def test_a_bound_on_the_step_paces_only_while_the_step_is_short():
     assert pacer.first_chunk(1) == 1  # the fixed ramp's
 
 
+def _ramped(pace_ms: float, jitter_ms: float, speed: float, frames: int = 300) -> tuple[list[int], float]:
+    """The fixed ramp at `speed` from a first window of 2, stage 0 making one frame per step of
+    `pace_ms` after the delay pattern's 7; each window after the first reaches the listener
+    `jitter_ms` later than the first did. Returns the windows' sizes and the listener's stall in ms."""
+    settings = window_settings({"initial_codec_chunk_frames": 2})
+    windows, emitted = [], 0
+    for step in range(frames + 7):
+        window = next_window(step - 7, emitted, 2, settings, False, speed)
+        if window is not None:
+            windows.append((step * pace_ms + (jitter_ms if windows else 0.0), window[0] - emitted))
+            emitted = window[0]
+    stall, plays_until = 0.0, windows[0][0]
+    for arrives, size in windows:
+        stall += max(0.0, arrives - plays_until)
+        plays_until = max(plays_until, arrives) + size * FRAME_MS
+    return [size for _, size in windows], stall
+
+
+@pytest.mark.parametrize("pace_ms", [10.5, 13.3, 15.5])
+def test_a_ramp_at_the_measured_speed_keeps_a_listener_playing(pace_ms):
+    """Slower than twice real time the doubling ramp runs a listener dry within a few windows; a
+    ramp at the speed stage 0 makes frames does not. The second window is the tight one (2 x (20 -
+    pace) ms to spare after a first window of 2 frames), so the hand-off's jitter here is 8 ms."""
+    sizes, stall = _ramped(pace_ms, jitter_ms=8.0, speed=FRAME_MS / pace_ms)
+    assert stall == 0.0 and sizes[-3:] == [25, 25, 25]
+    assert _ramped(pace_ms, jitter_ms=8.0, speed=2.0)[1] > 0
+    print(f"pace {pace_ms} ms: {len(sizes)} windows, {sizes[:12]}")
+
+
+def test_the_pacer_gives_the_ramp_its_speed_within_the_bounds_set():
+    settings = window_settings({"codec_ramp_min_speed_percent": 125})
+    pacer = PlayoutPacer(settings, FRAME_MS)
+    assert pacer.ramp_speed == 2.0 and not pacer.paces  # unmeasured; no margin: never paced
+    for pace_ms, speed in ((5.0, 2.0), (12.5, 1.6), (17.0, 2.0)):  # fast enough; followed; too slow
+        pacer.pace_ms = pace_ms
+        assert pacer.ramp_speed == pytest.approx(speed)
+    assert next_window(13, 2, 2, settings, False, 1.6) is None and next_window(14, 2, 2, settings, False, 1.6) == (4, 10)
+    assert next_window(100, 30, 2, settings, False, 1.6) == (30 + 25, 10)  # ready: up to a chunk
+    assert next_window(57, 30, 2, settings, False, 1.6) is None and next_window(58, 30, 2, settings, False, 1.6) == (48, 10)
+    for bad in (100, 200, 1):
+        with pytest.raises(ValueError, match="codec_ramp_min_speed_percent must be 0 or in 101..199"):
+            window_settings({"codec_ramp_min_speed_percent": bad})
+
+
 def test_a_window_that_waited_takes_the_frames_ready_up_to_a_full_chunk():
     settings = window_settings({"initial_codec_chunk_frames": 2})
     assert next_window(70, 4, 2, settings, False) == (4 + 25, 10)  # 56 ready: a full chunk

@@ -35,7 +35,9 @@ from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
 from vllm_omni_speechlm.frames import payload_frames
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
+    DOUBLING,
     MIN_HOLDBACK_KEY,
+    RAMP_SPEED_KEY,
     TO_CODEC_KEY,
     WINDOW_KEY,
     PlayoutPacer,
@@ -75,7 +77,11 @@ class WindowGate:
         self._streams = 0  # open requests a codec stage takes
         self._steps = 0  # stage-0 steps ticked (`codec_batch_steps`)
         paced = settings["codec_playout_margin_steps"] > 0
-        self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if paced else None
+        # The pacer measures the step too, for a ramp that follows it (`codec_ramp_min_speed_percent`).
+        measured = paced or settings[RAMP_SPEED_KEY] > 0
+        self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if measured else None
+        self._clocked = paced  # the fixed ramp reads no clock per offer
+        self._speed = DOUBLING  # the fixed ramp's, set once per step
         # With a pacer, the first lookahead is for paced segments: a ramped one's second window
         # would wait for the full lookahead while the listener plays the first.
         self._ramp = settings | {MIN_HOLDBACK_KEY: settings["codec_right_holdback_frames"]} if paced else settings
@@ -91,6 +97,7 @@ class WindowGate:
         self._steps += 1
         if self.pacer is not None:
             self.pacer.tick(self.clock())
+            self._speed = self.pacer.ramp_speed
 
     def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
         """(hand over now, the payload to hand over) for this step of `request`."""
@@ -117,7 +124,7 @@ class WindowGate:
             self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
             return True, self._take(state)
-        now = self.clock() if self.pacer is not None else 0.0  # the fixed ramp reads no clock
+        now = self.clock() if self._clocked else 0.0
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
             return False, None
         if state.unclassified:
@@ -199,7 +206,7 @@ class WindowGate:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
         first = state.own_first_chunk or first_window({}, self.settings)
         if state.emitted or not self._paces():
-            return next_window(total, state.emitted, first, self._ramp, False)
+            return next_window(total, state.emitted, first, self._ramp, False, self._speed)
         if not state.own_first_chunk:
             first = self.pacer.first_chunk(first)
         return next_window(total, 0, first, self.settings, False)
