@@ -39,7 +39,12 @@ COMPONENTS = {
     "model.sample": "sample (vllm_omni_speechlm/models/speechlm.py",
 }
 # Waiting: for work and I/O, or for the GPU.
-IDLE = ("wait (threading.py", "select (selectors.py", "poll (zmq/sugar/poll.py", "synchronize (torch/cuda/streams.py")
+# From `sched_yield` on: vLLM's shared-memory queue between an engine core and its workers
+# (multiprocess executor) spins, yielding the CPU, while it waits for the other side's message.
+_SHM = "(vllm/distributed/device_communicators/shm_broadcast.py"
+IDLE = ("wait (threading.py", "select (selectors.py", "poll (zmq/sugar/poll.py", "synchronize (torch/cuda/streams.py",
+        "sched_yield (vllm/distributed/utils.py", *(f"{fn} {_SHM}" for fn in ("timeout_ms", "memory_fence", "wait",
+                                                                              "acquire_read", "check")))
 
 
 def _bare(frame: str) -> str:

@@ -32,8 +32,8 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       makes frames at least twice as fast as real time; N, while it
                                       makes them between N% and 200% of real time (the measured
                                       step), each window brings at most (speed - 1) x the frames
-                                      sent so far (at least the first window's): slower windows,
-                                      no gap
+                                      sent so far (at least the first window's), as much as the
+                                      listener's lead allows (docs/architecture.md)
     codec_batch_steps                 int, 0..chunk: a window of a full chunk leaves on every N-th
                                       stage-0 step only (first, ramp and last windows when due), so
                                       the codec stage decodes the answers' windows in N times fewer,
@@ -206,7 +206,8 @@ class PlayoutPacer:
     whatever the windows, and small ones would only add decode work (each re-decodes its context):
     the windows then ramp up as the fixed ramp's do. Where the codec stage shares the GPU, those
     small windows slow stage 0 well before that: `codec_paced_max_step_ms` paces only the segments
-    that start while the step is short (`paces`), and leaves the others to the fixed ramp."""
+    that start while the step is short (`paces`), and leaves the others to the fixed ramp. The
+    step it measures also sets that ramp's speed (`ramp_speed`, `codec_ramp_min_speed_percent`)."""
 
     def __init__(self, settings: dict[str, int], frame_ms: float) -> None:
         self.settings, self.frame_ms = settings, frame_ms

@@ -41,3 +41,16 @@ def test_engine_core_profile_with_native_frames(tmp_path):
     assert s["main_thread_share"]["idle"] == 0.25 and s["main_thread_share"]["scheduler.schedule"] == 0.25
     assert s["top_self"]["pthread_cond_timedwait (libc.so.6)"] == 0.5
     assert s["self_by_package"] == {"vllm_omni": 0.5, "vllm/v1/core": 0.25}  # the running Python frame's
+
+
+def test_a_spin_on_the_multiprocess_executors_queue_is_idle(tmp_path):
+    """Under the multiprocess executor the engine core waits for its worker's reply spinning in
+    vLLM's shared-memory queue: on the CPU, but waiting."""
+    result = "result (vllm/v1/executor/multiproc_executor.py:98);get_response (vllm/v1/executor/multiproc_executor.py:433)"
+    shm = "acquire_read (vllm/distributed/device_communicators/shm_broadcast.py:794)"
+    s = _summary(tmp_path, [
+        f"thread (7): MainThread;{CORE};{result};{shm};sched_yield (vllm/distributed/utils.py:48) 2",
+        f"thread (7): MainThread;{CORE};{result};{shm};memory_fence (vllm/distributed/device_communicators/shm_broadcast.py:95) 1",
+        f"thread (7): MainThread;{CORE};{UPDATE} 1",
+    ])
+    assert s["main_thread_share"]["idle"] == 0.75
