@@ -72,6 +72,14 @@ class InterStageRows(Sequence):
         self._rest = [None if p is None else without_frames(p) for p in payloads]
         self._framed = [p is not None and CODES_KEY in p for p in payloads]
 
+    @classmethod
+    def frames_only(cls, frames: FrameRows) -> InterStageRows:
+        """Every row's payload is its frames alone (what vllm-omni builds when they are the step's
+        only output), without building one per row."""
+        rows = cls.__new__(cls)
+        rows.frames, rows._rest, rows._framed = frames, [{}] * len(frames.samples), [True] * len(frames.samples)
+        return rows
+
     def __len__(self) -> int:
         return len(self._rest)
 

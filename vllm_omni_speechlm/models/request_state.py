@@ -117,17 +117,19 @@ class RequestTable:
         """The table rows of the requests admitted since the last call, and released slots' phases
         reset. One copy per table: a blocking copy per request (a host tensor written into a device
         one) would wait for the step's forward each time."""
+        # index_fill_, not `t[idx] = value`: that copies the value to the device from pageable
+        # memory, and the copy waits for the whole queue (the step's forward).
         if self._released:
-            self.phase[to_device(self._released, self.device)] = int(Phase.START)
+            self.phase.index_fill_(0, to_device(self._released, self.device), int(Phase.START))
             self._released = []
         if not self._admitted:
             return
         slots, modes, ints, floats = zip(*self._admitted)
         self._admitted = []
         idx = to_device(list(slots), self.device)
-        self.phase[idx] = int(Phase.START)
-        self.phase_step[idx] = 0
-        self.segment[idx] = 0
+        self.phase.index_fill_(0, idx, int(Phase.START))
+        self.phase_step.index_fill_(0, idx, 0)
+        self.segment.index_fill_(0, idx, 0)
         self.mode[idx] = to_device(list(modes), self.device)
         self.ints[idx] = to_device(np.array(ints, dtype=np.int64), self.device)
         self.floats[idx] = to_device(np.array(floats, dtype=np.float32), self.device)

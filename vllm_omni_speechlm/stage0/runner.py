@@ -13,10 +13,12 @@ The speech LM reads a request's information only when it admits the request, ign
 nothing else writes (`FrameRows`). So this runner passes the information as a lazy per-row view,
 takes eligibility from vLLM's own `discard_request_mask` (computed + scheduled < tokens), and
 hands the frames to the scheduler whole (`StepOutputs`; the scheduler sends them to the client
-in blocks, client_frames.py). When the payloads only go to the client (no async chunks, no
-connector accumulating full payloads), vllm-omni's per-request builder is skipped; otherwise it
-puts each request's frame view in its payload as it is, and the step's inter-stage payloads reach
-the scheduler as one `InterStageRows` (the buffer pickled once under the multiprocess executor).
+in blocks, client_frames.py). vllm-omni's per-request payload builder is skipped when no connector
+accumulates full payloads and either the payloads only go to the client (no async chunks) or, with
+async chunks, the frames are the step's only output: every row's inter-stage payload is then its
+frame view. Otherwise it puts each request's frame view in its payload as it is. Either way the
+step's inter-stage payloads reach the scheduler as one `InterStageRows` (the buffer pickled once
+under the multiprocess executor).
 vllm-omni's own prefix cache is left out (`compat.without_omni_prefix_cache`), so with vLLM's
 prefix caching on the frames still go whole.
 Deploy YAMLs select it per platform (`worker_cls`: `SpeechLMARWorker` on GPUs,
@@ -69,6 +71,8 @@ class RowInfo:
 class SpeechLMRunnerMixin:
     """Batched replacements of vllm-omni AR runner steps (see the module docstring)."""
 
+    _builds_payloads = False  # this step's payloads are built here, not by vllm-omni's per-request loop
+
     def initialize_metadata_builders(self, kv_cache_config: Any, kernel_block_sizes: Any) -> None:
         super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
         without_omni_prefix_cache(self)
@@ -88,27 +92,41 @@ class SpeechLMRunnerMixin:
         no connector accumulating full payloads."""
         return not self._async_chunk and not self._should_accumulate_full_payload_output()
 
+    def _frames_only_payloads(self, flat: dict[str, Any]) -> bool:
+        """With async chunks, every row's payload is its frame view and nothing else: the step's
+        outputs are the frames alone, no connector accumulates payloads, the model post-processes
+        none."""
+        return (self._async_chunk and flat.keys() == {CODES_KEY} and not self._should_accumulate_full_payload_output()
+                and not getattr(self.model, "has_postprocess", False))
+
     def _resolve_pooler_payload_req_ids(self, req_ids_output_copy: list[str]) -> tuple[str, list[str]]:
-        if not self._client_only_payloads():
+        if not self._builds_payloads:
             return super()._resolve_pooler_payload_req_ids(req_ids_output_copy)
         # vllm-omni's per-request builder gets no requests: the override below builds the payloads.
         return (self.vllm_config.model_config.engine_output_type or "").lower(), []
 
     def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
-        output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
         flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
         frames = flat.get(CODES_KEY)
+        self._builds_payloads = self._client_only_payloads() or (isinstance(frames, FrameRows) and self._frames_only_payloads(flat))
+        try:
+            output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
+        finally:
+            built, self._builds_payloads = self._builds_payloads, False
         if not isinstance(frames, FrameRows):  # no step buffer: vllm-omni's payloads as they are
             return output
         if len(frames.samples) != len(output.req_ids):
             raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
-        if self._client_only_payloads():
+        if self._async_chunk and built:  # every row: its frames to the next stage, nothing else to the client
+            output.multimodal_outputs = StepOutputs(frames, None)
+            output.inter_stage_outputs = InterStageRows.frames_only(frames)
+        elif built:
             rest = without_frames(flat)
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
         elif output.multimodal_outputs is not None:  # vllm-omni's payloads; the frames go whole instead
             output.multimodal_outputs = StepOutputs(frames, [without_frames(p) or None for p in output.multimodal_outputs])
         # Neither: a connector accumulates the payloads, the client gets none per step.
-        if output.inter_stage_outputs is not None:  # async chunks: the frames cross to the scheduler whole
+        if output.inter_stage_outputs is not None and not built:  # async chunks: the frames cross whole
             output.inter_stage_outputs = InterStageRows(frames, output.inter_stage_outputs)
         return output
 
