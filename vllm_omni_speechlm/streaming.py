@@ -167,10 +167,9 @@ def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, 
     A segment's first window holds back `codec_min_right_holdback_frames`, the others the full
     lookahead. After a small first window the windows ramp up: each brings (speed - 1) x the
     frames sent so far, at least the first window's, up to codec_chunk_frames (first 4, speed 2:
-    4, 4, 8, 16, 25, 25, ...). A listener who starts at the first window has then heard the
-    frames sent before the last when the last window's frames are made, if stage 0 makes `speed`
-    frames per frame of real time: the window after it arrives before the audio runs out, with
-    the first window's frames to spare for the hand-off's jitter. A window that waited
+    4, 4, 8, 16, 25, 25, ...). If stage 0 makes `speed` frames per frame of real time, a listener
+    who starts at the first window still has audio when each window arrives, with the first
+    window's frames of generation to spare for the hand-off's jitter. A window that waited
     (`codec_queued_windows`) takes every frame ready, up to codec_chunk_frames."""
     if is_finished:
         holdback = 0

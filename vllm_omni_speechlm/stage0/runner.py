@@ -108,11 +108,12 @@ class SpeechLMRunnerMixin:
     def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
         flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
         frames = flat.get(CODES_KEY)
-        self._builds_payloads = self._client_only_payloads() or (isinstance(frames, FrameRows) and self._frames_only_payloads(flat))
+        built = self._client_only_payloads() or (isinstance(frames, FrameRows) and self._frames_only_payloads(flat))
+        self._builds_payloads = built  # read by _resolve_pooler_payload_req_ids, inside this call
         try:
             output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
         finally:
-            built, self._builds_payloads = self._builds_payloads, False
+            self._builds_payloads = False
         if not isinstance(frames, FrameRows):  # no step buffer: vllm-omni's payloads as they are
             return output
         if len(frames.samples) != len(output.req_ids):
