@@ -67,18 +67,15 @@ class InterStageRows(Sequence):
     the worker -> engine-core queue the buffer then travels once, not as one tensor per row (~8 us
     per row to pickle and unpickle)."""
 
-    def __init__(self, frames: FrameRows, payloads: Sequence[dict | None]):
+    def __init__(self, frames: FrameRows, payloads: Sequence[dict | None] | None = None):
+        """`payloads` None: every row's payload is its frames alone (what vllm-omni builds when
+        they are the step's only output), without one built per row."""
         self.frames = frames
-        self._rest = [None if p is None else without_frames(p) for p in payloads]
-        self._framed = [p is not None and CODES_KEY in p for p in payloads]
-
-    @classmethod
-    def frames_only(cls, frames: FrameRows) -> InterStageRows:
-        """Every row's payload is its frames alone (what vllm-omni builds when they are the step's
-        only output), without building one per row."""
-        rows = cls.__new__(cls)
-        rows.frames, rows._rest, rows._framed = frames, [{}] * len(frames.samples), [True] * len(frames.samples)
-        return rows
+        if payloads is None:
+            self._rest, self._framed = [{}] * len(frames.samples), [True] * len(frames.samples)
+        else:
+            self._rest = [None if p is None else without_frames(p) for p in payloads]
+            self._framed = [p is not None and CODES_KEY in p for p in payloads]
 
     def __len__(self) -> int:
         return len(self._rest)

@@ -162,6 +162,6 @@ def test_inter_stage_rows_cross_a_process_boundary_as_one_buffer():
     dumps(built)  # what crossed before: a reduction per row's view
     assert len(reduced) == 4
     reduced.clear()
-    only = pickle.loads(dumps(InterStageRows.frames_only(frames)))  # the payloads when frames are all
+    only = pickle.loads(dumps(InterStageRows(frames)))  # the payloads when frames are all
     assert reduced == [(4, 3)] and len(only) == 4
     assert all(got.keys() == {CODES_KEY} and torch.equal(got[CODES_KEY], frames.row(i)) for i, got in enumerate(only))

@@ -87,17 +87,15 @@ class SpeechLMRunnerMixin:
         extra[FRAME_ROWS_KWARG] = True
         return extra
 
-    def _client_only_payloads(self) -> bool:
-        """The step's payloads go to the client only: no async chunks (inter-stage payloads),
-        no connector accumulating full payloads."""
-        return not self._async_chunk and not self._should_accumulate_full_payload_output()
-
-    def _frames_only_payloads(self, flat: dict[str, Any]) -> bool:
-        """With async chunks, every row's payload is its frame view and nothing else: the step's
-        outputs are the frames alone, no connector accumulates payloads, the model post-processes
-        none."""
-        return (self._async_chunk and flat.keys() == {CODES_KEY} and not self._should_accumulate_full_payload_output()
-                and not getattr(self.model, "has_postprocess", False))
+    def _payloads_built_here(self, flat: dict[str, Any]) -> bool:
+        """vllm-omni's per-request payload builder has nothing to add: no connector accumulates full
+        payloads, and either the payloads only go to the client (no async chunks) or every row's
+        payload is its frame view alone (the frames are the step's only output, the model
+        post-processes none)."""
+        if self._should_accumulate_full_payload_output():
+            return False
+        return not self._async_chunk or (isinstance(flat.get(CODES_KEY), FrameRows) and flat.keys() == {CODES_KEY}
+                                         and not getattr(self.model, "has_postprocess", False))
 
     def _resolve_pooler_payload_req_ids(self, req_ids_output_copy: list[str]) -> tuple[str, list[str]]:
         if not self._builds_payloads:
@@ -108,7 +106,7 @@ class SpeechLMRunnerMixin:
     def _build_omni_model_runner_output_from_snapshot(self, *, multimodal_outputs: Any, **kwargs: Any) -> Any:
         flat = flatten_payload(multimodal_outputs) if multimodal_outputs else {}
         frames = flat.get(CODES_KEY)
-        built = self._client_only_payloads() or (isinstance(frames, FrameRows) and self._frames_only_payloads(flat))
+        built = self._payloads_built_here(flat)
         self._builds_payloads = built  # read by _resolve_pooler_payload_req_ids, inside this call
         try:
             output = super()._build_omni_model_runner_output_from_snapshot(multimodal_outputs=multimodal_outputs, **kwargs)
@@ -120,7 +118,7 @@ class SpeechLMRunnerMixin:
             raise RuntimeError(f"speech LM runner: {len(frames.samples)} frame rows for {len(output.req_ids)} requests")
         if self._async_chunk and built:  # every row: its frames to the next stage, nothing else to the client
             output.multimodal_outputs = StepOutputs(frames, None)
-            output.inter_stage_outputs = InterStageRows.frames_only(frames)
+            output.inter_stage_outputs = InterStageRows(frames)
         elif built:
             rest = without_frames(flat)
             output.multimodal_outputs = StepOutputs(frames, _row_payloads(rest, len(frames.samples)) if rest else None)
