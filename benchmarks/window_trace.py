@@ -9,7 +9,9 @@ per forward, the interval between forwards, the wait from a window's making in s
 start of the forward that decoded it (largest in each forward), and the decode time, p50 / p90;
 and, from stage 0, how long after an answer's arrival its first window left and after how many
 steps, the level's first steps (ms, rows, tokens, CPU ms each), the step's wall and CPU time, and the
-steps by kind (a prompt joined, rows left, a codec forward beside it, none); how long after its
+steps by kind (a prompt joined, rows left, a codec forward beside it, none; the last two split by
+whether the update before handed windows over), and the worker's wait, `execute_model` and
+`sample_tokens` per step kind (multiprocess executor); how long after its
 request the API server sent an answer's first bytes; and how late the API server's event loop
 woke (the per-second medians' median, the largest).
 """
@@ -27,7 +29,9 @@ LINE = re.compile(r"window trace: t=([\d.]+) windows=(\d+) frames=(\d+) wait_ms_
                   r"decode_ms=([\d.]+)(?: queue_ms_max=([-\d.]+))?")  # older logs have no queue_ms_max
 FIRST = re.compile(r"first window trace: t=([\d.]+) since_arrival_ms=([-\d.]+) steps=(\d+)")
 BYTES = re.compile(r"first bytes trace: t=([\d.]+) since_request_ms=([-\d.]+)")
-STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)(?: cpu_ms=([\d.]+) proc_cpu_ms=([\d.]+))?")
+WORKER = re.compile(r"worker step trace: t=([\d.]+) rows=(\d+) tokens=(\d+) idle_ms=([-\d.]+) execute_ms=([\d.]+) sample_ms=([\d.]+)")
+STEP = re.compile(r"step trace: t=([\d.]+) ms=([\d.]+) rows=(\d+) tokens=(\d+)(?: cpu_ms=([\d.]+) proc_cpu_ms=([\d.]+))?"
+                  r"(?: handed=(\d+) update_ms=([\d.]+))?")  # older logs have fewer fields
 LAG = re.compile(r"event loop trace: t=([\d.]+) late_ms_p50=([-\d.]+) late_ms_max=([-\d.]+)")
 FIRST_STEPS = 30
 
@@ -41,7 +45,7 @@ def _values(match: re.Match) -> tuple[float | None, ...]:
 
 
 def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], sends: list[tuple[float, ...]],
-              lags: list[tuple[float, ...]], steps: list[tuple[float, ...]] = ()) -> dict:
+              lags: list[tuple[float, ...]], steps: list[tuple[float, ...]] = (), worker: list[tuple[float, ...]] = ()) -> dict:
     t = [x[0] for x in lines]
     gaps = [b - a for a, b in zip(t, t[1:])]
     out = {"forwards": len(lines), "windows_per_forward": statistics.fmean(x[1] for x in lines) if lines else None}
@@ -54,30 +58,56 @@ def summarize(lines: list[tuple[float, ...]], firsts: list[tuple[float, ...]], s
                          ("step_cpu_ms", cpu), ("step_proc_cpu_ms", proc_cpu)):
         out[name] = {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
     # ms, rows, tokens (and the CPU ms of the scheduler's thread and of the process)
-    out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3]), *(round(c, 1) for c in x[4:] if c is not None)]
+    out["first_steps"] = [[round(x[1], 1), int(x[2]), int(x[3]), *(round(c, 1) for c in x[4:6] if c is not None)]
                           for x in steps[:FIRST_STEPS]]
     out["event_loop_late_ms"] = {"p50": _pct([x[1] for x in lags], 0.5), "max": max((x[2] for x in lags), default=None)}
     out["step_kinds"] = step_kinds(steps, lines)
+    if worker:
+        out["worker_kinds"] = worker_kinds(list(worker)[1:], lines)
     return out
 
 
 def step_kinds(steps: list[tuple[float, ...]], forwards: list[tuple[float, ...]]) -> dict:
     """Stage 0's steps by what else happened in them, the first that applies: a prompt joined
     (tokens > rows), rows left (fewer than the step before), a forward of stage 1 ran in part of
-    it (the two processes share the GPU), or none: count and ms p50 / p90 each. `codec_ms_per_s`:
-    stage 1's forwards per second of the steps' span."""
+    it (the two processes share the GPU), or none: count and ms p50 / p90 each. `by_hand_off`
+    (newer logs): the last two kinds split by whether the scheduler's update inside the step
+    handed windows to stage 1 (its CPU work, not the GPU's), with that update's ms.
+    `codec_ms_per_s`: stage 1's forwards per second of the steps' span."""
     spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)  # stage 1 runs one forward at a time
     ends = [b for _, b in spans]
     kinds: dict[str, list[float]] = {"join": [], "leave": [], "codec": [], "plain": []}
-    for before, (t, ms, rows, tokens, *_) in zip([None, *steps], steps):
-        i = bisect.bisect_right(ends, t - ms / 1e3)  # the first forward that ends in or after the step
-        overlaps = i < len(spans) and spans[i][0] < t
-        kind = ("join" if tokens > rows else "leave" if before is not None and rows < before[2]
-                else "codec" if overlaps else "plain")
+    handed: dict[str, list[tuple[float, float]]] = {f"{k}, {h}": [] for k in ("codec", "plain") for h in ("handed", "none handed")}
+    for before, step in zip([None, *steps], steps):
+        t, ms, rows, tokens = step[:4]
+        kind = _kind(t - ms / 1e3, t, rows, tokens, before and before[2], spans, ends)
         kinds[kind].append(ms)
+        if len(step) > 7 and step[6] is not None and kind in ("codec", "plain"):
+            handed[f"{kind}, {'handed' if step[6] else 'none handed'}"].append((ms, step[7]))
     span_s = steps[-1][0] - steps[0][0] + steps[0][1] / 1e3 if steps else 0.0
     out = {k: {"n": len(v), "p50": _pct(v, 0.5), "p90": _pct(v, 0.9)} for k, v in kinds.items()}
+    out["by_hand_off"] = {k: {"n": len(v), "p50": _pct([m for m, _ in v], 0.5), "update_ms_p50": _pct([u for _, u in v], 0.5)}
+                          for k, v in handed.items() if v}
     return out | {"codec_ms_per_s": sum(b - a for a, b in spans) * 1e3 / span_s if span_s else None}
+
+
+def _kind(start: float, end: float, rows: int, tokens: int, rows_before: int | None, spans: list, ends: list) -> str:
+    i = bisect.bisect_right(ends, start)  # the first forward that ends in or after the step
+    overlaps = i < len(spans) and spans[i][0] < end
+    return ("join" if tokens > rows else "leave" if rows_before is not None and rows < rows_before
+            else "codec" if overlaps else "plain")
+
+
+def worker_kinds(worker: list[tuple[float, ...]], forwards: list[tuple[float, ...]]) -> dict:
+    """Stage 0's worker per step kind (as `step_kinds`, over the worker's own busy span): count
+    and the p50 ms it waited for the step, ran `execute_model` and ran `sample_tokens`."""
+    spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)
+    ends = [b for _, b in spans]
+    kinds: dict[str, list[tuple[float, ...]]] = {"join": [], "leave": [], "codec": [], "plain": []}
+    for before, (t, rows, tokens, idle, execute, sample) in zip([None, *worker], worker):
+        kinds[_kind(t - (execute + sample) / 1e3, t, rows, tokens, before and before[1], spans, ends)].append((idle, execute, sample))
+    return {k: {"n": len(v), **{f"{name}_ms_p50": _pct([x[j] for x in v], 0.5) for j, name in enumerate(("idle", "execute", "sample"))}}
+            for k, v in kinds.items()}
 
 
 def main() -> None:
@@ -87,7 +117,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     text = Path(args.log).read_text(errors="replace").splitlines()
-    traces = [[_values(m) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG, STEP)]
+    traces = [[_values(m) for m in map(pattern.search, text) if m] for pattern in (LINE, FIRST, BYTES, LAG, STEP, WORKER)]
     report = {}
     for level, stats in json.loads(Path(args.serve_load).read_text())["speech"].items():
         start = stats.get("sent_wall")

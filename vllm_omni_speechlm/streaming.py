@@ -34,6 +34,13 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       step), each window brings at most (speed - 1) x the frames
                                       sent so far (at least the first window's), as much as the
                                       listener's lead allows (docs/architecture.md)
+    codec_ramp_min_right_holdback_frames  int, 0..holdback (unset: the holdback), with
+                                      codec_ramp_min_speed_percent: the least lookahead of a
+                                      segment's first window under the ramp while the measured
+                                      speed is at least that percentage; later windows' lookahead
+                                      grows back to the holdback within the listener's lead
+                                      (`growing_lookahead_window`); those windows' last frames are
+                                      not exact
     codec_batch_steps                 int, 0..chunk: a window of a full chunk leaves on every N-th
                                       stage-0 step only (first, ramp and last windows when due), so
                                       the codec stage decodes the answers' windows in N times fewer,
@@ -60,9 +67,13 @@ WINDOW_DEFAULTS = {
     "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
     "codec_batch_steps": 0,  # 0: a full window leaves on the step it is due
     "codec_ramp_min_speed_percent": 0,  # 0: the ramp doubles whatever the pace
+    "codec_ramp_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (the ramp exact)
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 RAMP_SPEED_KEY = "codec_ramp_min_speed_percent"
+RAMP_MIN_HOLDBACK_KEY = "codec_ramp_min_right_holdback_frames"
+# Steps of generation a window with a growing lookahead keeps in hand for the hand-off's jitter.
+LEAD_SPARE_STEPS = 2
 DOUBLING = 2.0  # the fixed ramp's speed: each window brings as many new frames as were sent
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
 WINDOW_KEY = "window"
@@ -85,7 +96,7 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
     out = {}
     for key, default in WINDOW_DEFAULTS.items():
         value = extra.get(key, default)
-        if value is None and key == MIN_HOLDBACK_KEY:
+        if value is None and key in (MIN_HOLDBACK_KEY, RAMP_MIN_HOLDBACK_KEY):
             value = out["codec_right_holdback_frames"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"connector extra: {key} must be a non-negative int, got {value!r}")
@@ -95,9 +106,12 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
         raise ValueError(f"connector extra: codec_chunk_frames must be >= 1, got {chunk}")
     if holdback > chunk:
         raise ValueError(f"connector extra: codec_right_holdback_frames ({holdback}) must be <= codec_chunk_frames ({chunk})")
-    if out[MIN_HOLDBACK_KEY] > holdback:
-        raise ValueError(f"connector extra: {MIN_HOLDBACK_KEY} ({out[MIN_HOLDBACK_KEY]}) must be <= "
-                         f"codec_right_holdback_frames ({holdback})")
+    for key in (MIN_HOLDBACK_KEY, RAMP_MIN_HOLDBACK_KEY):
+        if out[key] > holdback:
+            raise ValueError(f"connector extra: {key} ({out[key]}) must be <= codec_right_holdback_frames ({holdback})")
+    if out[RAMP_MIN_HOLDBACK_KEY] < holdback and not out[RAMP_SPEED_KEY]:
+        raise ValueError(f"connector extra: {RAMP_MIN_HOLDBACK_KEY} grows within the measured speed; "
+                         f"set {RAMP_SPEED_KEY} too")
     if out["initial_codec_chunk_frames"] > chunk:
         raise ValueError(
             f"connector extra: initial_codec_chunk_frames ({out['initial_codec_chunk_frames']}) must be <= "
@@ -183,6 +197,33 @@ def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, 
     return end, holdback
 
 
+def growing_lookahead_window(total: int, emitted: int, holdback: int, reach: int, first_chunk: int,
+                             settings: dict[str, int], speed: float) -> tuple[int, int] | None:
+    """A segment's windows after a first one with less than the full lookahead
+    (`codec_ramp_min_right_holdback_frames`): (end, holdback) of the window to send now, or None.
+
+    The listener started when the first window's `reach` frames (its end plus its lookahead) were
+    made; stage 0 makes `speed` frames per frame of real time, so the listener plays until
+    `reach` + speed x `emitted` frames are made. A window leaves LEAD_SPARE_STEPS before that
+    deadline, or earlier with a full chunk ready. While the lookahead is short it brings half the
+    new frames the speed ramp would (at least the first window's), and the frames made beyond them
+    extend its lookahead (never below the window before's): the lead's growth is split between
+    new audio and lookahead, which is back to the holdback after a few windows (a first window of
+    4 frames with 2 of lookahead at 12.5 ms a step: the sixth is exact). Then each window brings
+    what is ready. Slower than real time: the doubling ramp with the full lookahead."""
+    full, chunk = settings["codec_right_holdback_frames"], settings["codec_chunk_frames"]
+    if speed <= 1:  # no window keeps a listener playing: the doubling ramp, exact (fewer, larger windows)
+        return next_window(total, emitted, first_chunk, settings, False)
+    if total - full - emitted >= chunk:
+        return emitted + chunk, full
+    if total < reach + math.floor(speed * emitted) - LEAD_SPARE_STEPS:
+        return None  # the listener has time
+    if holdback >= full:  # at least the first window's frames: near real time, windows would shrink
+        return (total - full, full) if total - full - emitted >= first_chunk else None
+    end = min(emitted + min(chunk, max(first_chunk, int((speed - 1) * emitted / 2))), total - holdback)
+    return (end, min(full, total - end)) if end > emitted else None
+
+
 # A gap this long between stage-0 steps is idleness, not the pace.
 IDLE_STEP_S = 1.0
 PACE_SMOOTHING = 0.3
@@ -241,6 +282,11 @@ class PlayoutPacer:
         floor = self.settings[RAMP_SPEED_KEY] / 100
         speed = self.frame_ms / self.pace_ms if self.pace_ms else DOUBLING
         return speed if floor and floor <= speed < DOUBLING else DOUBLING
+
+    @property
+    def speed(self) -> float | None:
+        """Frames stage 0 makes per frame of real time, measured (None: not yet)."""
+        return self.frame_ms / self.pace_ms if self.pace_ms else None
 
     @property
     def _margin_ms(self) -> float:

@@ -7,7 +7,9 @@ Stage 0's window gate stamps each window's rows with the wall clock it handed th
 forward: how many windows, how long each waited on stage 0's save thread (`queue_ms_max`), how
 long since each was cut (the hand-off: connector, polling, stage 1's scheduling) and how long the
 decode took. Stage 0 logs every step (the time since the step before, its rows and tokens, the CPU
-time of its scheduler's thread and of the process), each request as its scheduler takes it in
+time of its scheduler's thread and of the process, what the update before it took and handed to
+stage 1), and its worker's share of each (how long it waited, ran `execute_model` and
+`sample_tokens`), each request as its scheduler takes it in
 (the time since its arrival in the API server) and, per answer, how long after its arrival its
 first window left. The API server logs when each streamed answer's first bytes left and, from its
 first speech request on, once a second how late its event loop woke: the loop that streams every
@@ -32,6 +34,7 @@ FIRST_LINE = "first window trace:"
 LAG_LINE = "event loop trace:"
 BYTES_LINE = "first bytes trace:"
 STEP_LINE = "step trace:"
+WORKER_LINE = "worker step trace:"
 ADMIT_LINE = "admit trace:"
 LAG_PERIOD_S = 0.01
 logger = logging.getLogger(__name__)
@@ -72,20 +75,57 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
 
 
 _last_step = (0.0, 0.0, 0.0)
+_update = [0.0, 0.0, 0]  # the last update's start and end (time.time()), the payloads handed before it
 
 
-def log_step(tokens: int, rows: int) -> None:
-    """Stage 0, as a step's output arrives; with the CPU time the scheduler's thread and the whole
-    process spent since the step before (a thread's wall time beyond its CPU time is waiting: for
-    the interpreter lock, or blocked)."""
+def log_step(tokens: int, rows: int, handed: int = 0) -> None:
+    """Stage 0, as a step's output arrives (before the scheduler's update of it); with the CPU time
+    the scheduler's thread and the whole process spent since the step before (a thread's wall time
+    beyond its CPU time is waiting: for the interpreter lock, or blocked), and what the update of
+    the step before (inside this interval) took: its ms and the payloads it handed to the codec
+    stage (`handed`: the gate's count so far)."""
     global _last_step
     if ENABLED:
         now = (time.time(), time.thread_time(), time.process_time())
         if _last_step[0]:
             wall, cpu, proc = ((a - b) * 1e3 for a, b in zip(now, _last_step))
-            logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d cpu_ms=%.1f proc_cpu_ms=%.1f", STEP_LINE, now[0], wall,
-                        rows, tokens, cpu, proc)
+            logger.info("%s t=%.3f ms=%.1f rows=%d tokens=%d cpu_ms=%.1f proc_cpu_ms=%.1f handed=%d update_ms=%.2f",
+                        STEP_LINE, now[0], wall, rows, tokens, cpu, proc, handed - _update[2],
+                        (_update[1] - _update[0]) * 1e3)
         _last_step = now
+        _update[0], _update[2] = now[0], handed
+
+
+def updated() -> None:
+    """Stage 0, as the scheduler's update of a step ends."""
+    if ENABLED:
+        _update[1] = time.time()
+
+
+_worker = [0.0, 0.0, 0.0]  # perf_counter: the last step's end, this step's execute_model start and end
+
+
+def worker_executing() -> None:
+    """Stage 0's worker, as `execute_model` starts."""
+    _worker[1] = time.perf_counter()
+
+
+def worker_executed() -> None:
+    """... and as it returns."""
+    _worker[2] = time.perf_counter()
+
+
+def log_worker_step(rows: int, tokens: int) -> None:
+    """Stage 0's worker, as `sample_tokens` returns: one line per step with how long the worker
+    waited for it since the step before, and ran `execute_model` (inputs, forward) and
+    `sample_tokens` (logits' tail, sampling, outputs). Under the multiprocess executor these are
+    the worker's own; the step lines are the engine core's."""
+    now = time.perf_counter()
+    last, start, executed = _worker
+    if last and start > last:  # not a step that only sampled
+        logger.info("%s t=%.3f rows=%d tokens=%d idle_ms=%.2f execute_ms=%.2f sample_ms=%.2f", WORKER_LINE, time.time(),
+                    rows, tokens, (start - last) * 1e3, (executed - start) * 1e3, (now - executed) * 1e3)
+    _worker[0] = now
 
 
 def log_admitted(arrival_time: float | None, started: float) -> None:

@@ -131,6 +131,7 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
            "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30", "--arrivals", "burst", "steady"]
     samples = tmp_path / "stacks"  # every process sampled while a level runs (benchmarks/stack_sampler)
     env = os.environ | {"PYTHONUNBUFFERED": "1", "VLLM_OMNI_EVENT_DRIVEN_ORCH": "0", "SPEECHLM_STACK_SAMPLES": str(samples),
+                        "SPEECHLM_TRACE_WINDOWS": "1",
                         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -151,8 +152,15 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     assert speech["server"]["steps[0]"] >= 30 and speech["server"]["tokens_per_step[0]"] > 1
     assert speech["server"]["steps[1]"] > 0 and speech["server"]["step_s[0]"] > 0
     assert text["server"]["steps"] >= 30 and report["first_requests"]["speech"]["errors"] == 0
-    # The level's samples: some process stepped the speech LM (stage 0's worker) while it ran.
+    # The traced server's lines, as window_trace.py reads them: stage 0's steps and its worker's.
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    trace = tmp_path / "trace.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "window_trace.py"), "--log", str(tmp_path / "work" / "speech.log"),
+                    "--serve-load", str(out), "--out", str(trace)], check=True, capture_output=True, timeout=120)
+    level = json.loads(trace.read_text())["2 steady"]
+    assert sum(k["n"] for k in level["worker_kinds"].values()) > 10 and level["forwards"] > 0
+    assert sum(v["n"] for k, v in level["step_kinds"]["by_hand_off"].items() if k.endswith(", handed")) > 0
+    # The level's samples: some process stepped the speech LM (stage 0's worker) while it ran.
     from stack_samples import summarize
 
     level = ("2 burst", "2")  # the level's first second, then the rest

@@ -26,12 +26,12 @@ XCODEC_REACH = (10, 10)
 
 
 def test_defaults_and_overrides():
-    exact = {"codec_min_right_holdback_frames": 10}  # unset: the holdback
+    exact = {"codec_min_right_holdback_frames": 10, "codec_ramp_min_right_holdback_frames": 10}  # unset: the holdback
     assert window_settings(None, XCODEC_REACH) == WINDOW_DEFAULTS | exact
     got = window_settings({"codec_chunk_frames": 40, "initial_codec_chunk_frames": 5, "stage_id": 0}, XCODEC_REACH)
     assert got == WINDOW_DEFAULTS | exact | {"codec_chunk_frames": 40, "initial_codec_chunk_frames": 5}
     paced = {"codec_min_right_holdback_frames": 2, "codec_playout_margin_steps": 4}
-    assert window_settings(paced, XCODEC_REACH) == WINDOW_DEFAULTS | paced  # less lookahead is a choice, not an error
+    assert window_settings(paced, XCODEC_REACH) == WINDOW_DEFAULTS | exact | paced  # less lookahead is a choice, not an error
     assert max_window_ids(WINDOW_DEFAULTS, 8) == (25 + 25 + 10) * 8
 
 

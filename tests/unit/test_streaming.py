@@ -8,6 +8,7 @@ from vllm_omni_speechlm.streaming import (
     WINDOW_DEFAULTS,
     PlayoutPacer,
     first_window,
+    growing_lookahead_window,
     initial_chunk_frames,
     next_window,
     window_settings,
@@ -181,6 +182,62 @@ def test_the_pacer_gives_the_ramp_its_speed_within_the_bounds_set():
     for bad in (100, 200, 1):
         with pytest.raises(ValueError, match="codec_ramp_min_speed_percent must be 0 or in 101..199"):
             window_settings({"codec_ramp_min_speed_percent": bad})
+
+
+def _growing(pace_ms: float, jitter_ms: float, first: int = 4, frames: int = 300) -> tuple[list[tuple[int, int]], float, int]:
+    """The ramp from a first window of `first` frames with 2 of lookahead, at the speed stage 0
+    makes frames (`_ramped`'s listener and jitter). Returns the windows (end, holdback), the
+    listener's stall in ms and the step the first window left at."""
+    settings = window_settings({"initial_codec_chunk_frames": first, "codec_ramp_min_speed_percent": 125,
+                                "codec_ramp_min_right_holdback_frames": 2})
+    first_settings = settings | {"codec_min_right_holdback_frames": 2}
+    windows, arrivals, reach, started = [], [], 0, 0
+    for step in range(frames + 50):
+        emitted, held = windows[-1] if windows else (0, 0)
+        if emitted >= frames:
+            break
+        total = step - 7
+        window = (next_window(total, 0, first, first_settings, False) if not windows else
+                  growing_lookahead_window(total, emitted, held, reach, first, settings, FRAME_MS / pace_ms))
+        if window is not None:
+            reach, started = (sum(window), step) if not windows else (reach, started)
+            arrivals.append((step * pace_ms + (jitter_ms if windows else 0.0), window[0] - emitted))
+            windows.append(window)
+    stall, plays_until = 0.0, arrivals[0][0]
+    for arrives, size in arrivals:
+        stall += max(0.0, arrives - plays_until)
+        plays_until = max(plays_until, arrives) + size * FRAME_MS
+    return windows, stall, started
+
+
+@pytest.mark.parametrize("pace_ms", [8.0, 10.5, 12.5, 15.5])
+def test_a_ramp_from_a_short_lookahead_keeps_a_listener_playing_and_grows_it_back(pace_ms):
+    """A first window with 2 frames of lookahead leaves 8 steps before one with 10; the windows
+    after it keep the listener playing with a step and a half of hand-off jitter while their
+    lookahead grows back to the full one, never shrinking; after that every window is exact."""
+    windows, stall, started = _growing(pace_ms, jitter_ms=1.5 * pace_ms)
+    assert stall == 0.0 and started == 7 + 4 + 2 and windows[0] == (4, 2)
+    holdbacks = [h for _, h in windows]
+    assert holdbacks == sorted(holdbacks) and holdbacks[-1] == 10
+    assert sum(h < 10 for h in holdbacks) <= {8.0: 2, 10.5: 4, 12.5: 5, 15.5: 10}[pace_ms]
+    assert [e for e, _ in windows] == sorted(set(e for e, _ in windows)) and windows[-1][0] >= 300
+
+
+def test_slower_than_real_time_a_short_lookahead_ramp_doubles_exactly():
+    """Stage 0 slower than real time: no window keeps a listener playing, so the windows after the
+    first are the doubling ramp's, with the full lookahead (fewer, larger windows)."""
+    windows, _, _ = _growing(25.0, jitter_ms=0.0)
+    assert [h for _, h in windows[1:]] == [10] * (len(windows) - 1)
+    assert [b - a for (a, _), (b, _) in zip(windows, windows[1:4])] == [4, 8, 16]
+
+
+def test_a_short_ramp_lookahead_needs_the_measured_speed_and_at_most_the_holdback():
+    with pytest.raises(ValueError, match="codec_ramp_min_right_holdback_frames grows within the measured speed; "
+                                         "set codec_ramp_min_speed_percent too"):
+        window_settings({"codec_ramp_min_right_holdback_frames": 2})
+    with pytest.raises(ValueError, match=r"codec_ramp_min_right_holdback_frames \(11\) must be <= codec_right_holdback_frames \(10\)"):
+        window_settings({"codec_ramp_min_right_holdback_frames": 11, "codec_ramp_min_speed_percent": 125})
+    assert window_settings({})["codec_ramp_min_right_holdback_frames"] == 10  # unset: the ramp exact
 
 
 def test_a_window_that_waited_takes_the_frames_ready_up_to_a_full_chunk():

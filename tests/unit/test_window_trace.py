@@ -127,15 +127,17 @@ def test_a_step_line_gives_the_time_since_the_step_before_and_the_cpu_time(monke
     monkeypatch.setattr(window_trace, "ENABLED", True)
     monkeypatch.setattr(window_trace, "_last_step", (0.0, 0.0, 0.0))
     with caplog.at_level(logging.INFO, logger=window_trace.__name__):
-        for rows in (2, 2, 34):
-            window_trace.log_step(tokens=rows * 3, rows=rows)
+        for rows, handed in ((2, 0), (2, 0), (34, 3)):  # the second update hands 3 windows over
+            window_trace.log_step(tokens=rows * 3, rows=rows, handed=handed)
             busy = time.thread_time() + 0.02
             while time.thread_time() < busy:
                 pass
+            window_trace.updated()  # the update took the ~20 ms of work
             time.sleep(0.01)
     steps = [tuple(map(float, STEP.search(r.getMessage()).groups())) for r in caplog.records]
     assert [s[2:4] for s in steps] == [(2, 6), (34, 102)]  # the first step has no step before it
     assert all(29 <= s[1] < 300 and 19 <= s[4] <= s[1] and s[5] >= s[4] - 1 for s in steps)
+    assert [s[6] for s in steps] == [0, 3] and all(19 <= s[7] < s[1] for s in steps)
     summary = summarize([], [], [], [], steps)  # a level's first step waited while the server was idle
     assert summary["first_steps"] == [[round(steps[1][1], 1), 34, 102, round(steps[1][4], 1), round(steps[1][5], 1)]]
     assert summary["step_cpu_ms"]["p50"] == steps[1][4]
@@ -160,6 +162,44 @@ def test_steps_are_told_apart_by_a_joining_prompt_rows_leaving_and_a_codec_forwa
     # stage 1: one forward of 5 ms ending at 1.058 (inside the last step), one long before
     forwards = [(0.5, 2, 60, 1.0, 1.0, 5.0, None), (1.058, 2, 60, 1.0, 1.0, 5.0, None)]
     kinds = step_kinds(steps, forwards)
-    assert {k: v["n"] for k, v in kinds.items() if k != "codec_ms_per_s"} == {"join": 1, "leave": 1, "codec": 1, "plain": 2}
+    assert {k: v["n"] for k, v in kinds.items() if k in ("join", "leave", "codec", "plain")} == {
+        "join": 1, "leave": 1, "codec": 1, "plain": 2}
+    assert kinds["by_hand_off"] == {}  # older lines: no hand-off fields
     assert kinds["join"]["p50"] == 20.0 and kinds["codec"]["p50"] == 10.0
     assert kinds["codec_ms_per_s"] == pytest.approx(10.0 / 0.060)
+
+
+def test_codec_and_plain_steps_are_split_by_whether_their_update_handed_windows_over():
+    """A slow step beside a codec forward is the GPU's share or the hand-off's CPU work: the
+    split tells them apart."""
+    from window_trace import step_kinds
+
+    # (t, ms, rows, tokens, cpu, proc, handed, update_ms)
+    steps = [(1.010, 10.0, 4, 4, 1, 1, 0, 1.0), (1.022, 12.0, 4, 4, 1, 1, 2, 3.0), (1.030, 8.0, 4, 4, 1, 1, 0, 1.0),
+             (1.044, 14.0, 4, 4, 1, 1, 1, 4.0), (1.053, 9.0, 4, 4, 1, 1, 0, 1.5)]
+    forwards = [(1.043, 2, 60, 1.0, 1.0, 4.0, None)]  # beside the fourth step only
+    split = step_kinds(steps, forwards)["by_hand_off"]
+    assert split == {"codec, handed": {"n": 1, "p50": 14.0, "update_ms_p50": 4.0},
+                     "plain, handed": {"n": 1, "p50": 12.0, "update_ms_p50": 3.0},
+                     "plain, none handed": {"n": 3, "p50": 9.0, "update_ms_p50": 1.0}}
+
+
+def test_the_worker_line_gives_its_wait_and_its_two_calls_and_the_summary_splits_them_by_kind(monkeypatch, caplog):
+    """Stage 0's worker: the wait since the step before, execute_model and sample_tokens, each
+    timed; `worker_kinds` reads them per step kind."""
+    from window_trace import WORKER, worker_kinds
+
+    monkeypatch.setattr(window_trace, "_worker", [0.0, 0.0, 0.0])
+    with caplog.at_level(logging.INFO, logger=window_trace.__name__):
+        for rows, tokens in ((4, 4), (4, 4), (6, 90)):  # the third step: a prompt joined
+            time.sleep(0.004)  # waiting for the step
+            window_trace.worker_executing()
+            time.sleep(0.006)
+            window_trace.worker_executed()
+            time.sleep(0.002)
+            window_trace.log_worker_step(rows, tokens)
+    lines = [tuple(map(float, WORKER.search(r.getMessage()).groups())) for r in caplog.records]
+    assert [x[1:3] for x in lines] == [(4, 4), (6, 90)]  # the first step has no step before it
+    assert all(4 <= idle < 50 and 6 <= execute < 50 and 2 <= sample < 40 for *_, idle, execute, sample in lines)
+    kinds = worker_kinds(lines, forwards=[])
+    assert kinds["plain"]["n"] == kinds["join"]["n"] == 1 and kinds["join"]["execute_ms_p50"] == lines[1][4]

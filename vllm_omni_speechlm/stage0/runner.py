@@ -43,6 +43,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
+from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.compat import (drop_sampler_jit_warmup, launch_slot_mapping_kernel, without_kernel_warmup,
                                        without_omni_prefix_cache)
 from vllm_omni_speechlm.frames import (CODES_KEY, FRAME_ROWS_KWARG, FrameRows, InterStageRows, StepOutputs,
@@ -72,10 +73,27 @@ class SpeechLMRunnerMixin:
     """Batched replacements of vllm-omni AR runner steps (see the module docstring)."""
 
     _builds_payloads = False  # this step's payloads are built here, not by vllm-omni's per-request loop
+    _traced_step = (0, 0)  # the step's rows and tokens (window_trace, when tracing)
 
     def initialize_metadata_builders(self, kv_cache_config: Any, kernel_block_sizes: Any) -> None:
         super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
         without_omni_prefix_cache(self)
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not window_trace.ENABLED:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        window_trace.worker_executing()
+        self._traced_step = (len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            window_trace.worker_executed()
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().sample_tokens(*args, **kwargs)
+        if window_trace.ENABLED:
+            window_trace.log_worker_step(*self._traced_step)
+        return out
 
     def _build_model_kwargs_extra(self) -> dict:
         self._sync_local_stage_payloads()

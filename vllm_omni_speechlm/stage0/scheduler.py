@@ -360,12 +360,14 @@ class _PairedCFGMixin:
         runner_outputs = runner_outputs if isinstance(runner_outputs, StepOutputs) else None  # None: per-request payloads
         if self._gate is not None:
             self._gate.tick()
-        window_trace.log_step(scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens))
+        window_trace.log_step(scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens),
+                              self._gate.handed_total if self._gate is not None else 0)
         self._updating = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._updating = False
+            window_trace.updated()
         self._finish_orphans()
         if had_pairs:
             self._end_guided_segments()

@@ -37,11 +37,13 @@ from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
     DOUBLING,
     MIN_HOLDBACK_KEY,
+    RAMP_MIN_HOLDBACK_KEY,
     RAMP_SPEED_KEY,
     TO_CODEC_KEY,
     WINDOW_KEY,
     PlayoutPacer,
     first_window,
+    growing_lookahead_window,
     next_window,
     requested_first_window,
 )
@@ -59,6 +61,8 @@ class _GateState:
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
     paced: bool = False  # the segment's windows are paced (decided at its first window)
+    growing: bool = False  # ramped from a short first lookahead (`streaming.growing_lookahead_window`)
+    reach: int = 0  # the frames made when the segment's first window could leave (its end + lookahead)
     plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (pacer)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
     pending: list[torch.Tensor] = field(default_factory=list)  # the steps' frames not handed over yet, as they came
@@ -76,6 +80,7 @@ class WindowGate:
         self._open: dict[str, _GateState] = {}
         self._streams = 0  # open requests a codec stage takes
         self._steps = 0  # stage-0 steps ticked (`codec_batch_steps`)
+        self.handed_total = 0  # payloads handed over so far (window_trace's step lines)
         paced = settings["codec_playout_margin_steps"] > 0
         # The pacer measures the step too, for a ramp that follows it (`codec_ramp_min_speed_percent`).
         measured = paced or settings[RAMP_SPEED_KEY] > 0
@@ -83,8 +88,13 @@ class WindowGate:
         self._clocked = paced  # the fixed ramp reads no clock per offer
         self._speed = DOUBLING  # the fixed ramp's, set once per step
         # With a pacer, the first lookahead is for paced segments: a ramped one's second window
-        # would wait for the full lookahead while the listener plays the first.
-        self._ramp = settings | {MIN_HOLDBACK_KEY: settings["codec_right_holdback_frames"]} if paced else settings
+        # would wait for the full lookahead while the listener plays the first, unless the ramp
+        # grows it (RAMP_MIN_HOLDBACK_KEY), which it does while the measured speed allows.
+        full = settings["codec_right_holdback_frames"]
+        self._exact = settings | {MIN_HOLDBACK_KEY: full} if paced else settings
+        short = settings[RAMP_MIN_HOLDBACK_KEY]
+        self._short = settings | {MIN_HOLDBACK_KEY: short} if short < full else None
+        self._ramp = self._exact
         # Parallel rules: a row is audio iff its stream 0 is a codec code.
         s0 = cfg.streams[0]
         self._codes = range(s0.vocab_start, s0.vocab_end) if cfg.decoding.parallel_segments else None
@@ -98,6 +108,9 @@ class WindowGate:
         if self.pacer is not None:
             self.pacer.tick(self.clock())
             self._speed = self.pacer.ramp_speed
+            speed = self.pacer.speed
+            grows = self._short is not None and speed is not None and speed * 100 >= self.settings[RAMP_SPEED_KEY]
+            self._ramp = self._short if grows else self._exact
 
     def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
         """(hand over now, the payload to hand over) for this step of `request`."""
@@ -123,6 +136,7 @@ class WindowGate:
             self._close(ext_id)
             self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
+            self.handed_total += 1
             return True, self._take(state)
         now = self.clock() if self._clocked else 0.0
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
@@ -137,6 +151,7 @@ class WindowGate:
         if state.emitted == 0:
             window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
         self._sent(state, window, now)
+        self.handed_total += 1
         return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
     def _held(self, ext_id: str, state: _GateState, window: tuple[int, int]) -> bool:
@@ -155,6 +170,8 @@ class WindowGate:
         state.handed += 1
         if not state.emitted:
             state.paced = self._paces()
+            state.reach = window[0] + window[1]
+            state.growing = not state.paced and window[1] < self.settings["codec_right_holdback_frames"] and self._ramp is self._short
         if state.paced:  # the listener plays from the first window, pausing when dry
             state.plays_until = max(state.plays_until, now) + (window[0] - state.emitted) * self.pacer.frame_ms / 1e3
         state.emitted, state.holdback = window
@@ -169,7 +186,7 @@ class WindowGate:
                 state.spoke = True
             elif state.audio:
                 state.audio = state.emitted = 0
-                state.paced = False
+                state.paced = state.growing = False
                 ended = True
         return ended
 
@@ -205,6 +222,9 @@ class WindowGate:
         if state.paced:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
         first = state.own_first_chunk or first_window({}, self.settings)
+        if state.growing:
+            return growing_lookahead_window(total, state.emitted, state.holdback, state.reach, first, self.settings,
+                                            self.pacer.speed or DOUBLING)
         if state.emitted or not self._paces():
             return next_window(total, state.emitted, first, self._ramp, False, self._speed)
         if not state.own_first_chunk:
