@@ -131,7 +131,7 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
            "--workdir", str(tmp_path / "work"), "--concurrency", "2", "--gen-len", "30", "--arrivals", "burst", "steady"]
     samples = tmp_path / "stacks"  # every process sampled while a level runs (benchmarks/stack_sampler)
     env = os.environ | {"PYTHONUNBUFFERED": "1", "VLLM_OMNI_EVENT_DRIVEN_ORCH": "0", "SPEECHLM_STACK_SAMPLES": str(samples),
-                        "SPEECHLM_TRACE_WINDOWS": "1",
+                        "SPEECHLM_TRACE_WINDOWS": "1", "VLLM_LOGGING_LEVEL": "INFO",  # the trace lines are INFO
                         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
