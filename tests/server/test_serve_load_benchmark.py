@@ -157,7 +157,7 @@ def test_tiny_run_streams_to_concurrent_listeners_and_times_the_text_lm(tmp_path
     trace = tmp_path / "trace.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "window_trace.py"), "--log", str(tmp_path / "work" / "speech.log"),
                     "--serve-load", str(out), "--out", str(trace)], check=True, capture_output=True, timeout=120)
-    level = json.loads(trace.read_text())["2 steady"]
+    level = json.loads(trace.read_text())["2"]  # both answers whole (a slow machine's steady level may see no forward)
     assert sum(k["n"] for k in level["worker_kinds"].values()) > 10 and level["forwards"] > 0
     assert sum(v["n"] for k, v in level["step_kinds"]["by_hand_off"].items() if k.endswith(", handed")) > 0
     # The level's samples: some process stepped the speech LM (stage 0's worker) while it ran.
