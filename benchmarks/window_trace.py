@@ -74,8 +74,7 @@ def step_kinds(steps: list[tuple[float, ...]], forwards: list[tuple[float, ...]]
     (newer logs): the last two kinds split by whether the scheduler's update inside the step
     handed windows to stage 1 (its CPU work, not the GPU's), with that update's ms.
     `codec_ms_per_s`: stage 1's forwards per second of the steps' span."""
-    spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)  # stage 1 runs one forward at a time
-    ends = [b for _, b in spans]
+    spans, ends = _forward_spans(forwards)
     kinds: dict[str, list[float]] = {"join": [], "leave": [], "codec": [], "plain": []}
     handed: dict[str, list[tuple[float, float]]] = {f"{k}, {h}": [] for k in ("codec", "plain") for h in ("handed", "none handed")}
     for before, step in zip([None, *steps], steps):
@@ -91,6 +90,12 @@ def step_kinds(steps: list[tuple[float, ...]], forwards: list[tuple[float, ...]]
     return out | {"codec_ms_per_s": sum(b - a for a, b in spans) * 1e3 / span_s if span_s else None}
 
 
+def _forward_spans(forwards: list[tuple[float, ...]]) -> tuple[list[tuple[float, float]], list[float]]:
+    """Stage 1's forwards as (start, end) in order, and their ends (it runs one at a time)."""
+    spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)
+    return spans, [b for _, b in spans]
+
+
 def _kind(start: float, end: float, rows: int, tokens: int, rows_before: int | None, spans: list, ends: list) -> str:
     i = bisect.bisect_right(ends, start)  # the first forward that ends in or after the step
     overlaps = i < len(spans) and spans[i][0] < end
@@ -101,8 +106,7 @@ def _kind(start: float, end: float, rows: int, tokens: int, rows_before: int | N
 def worker_kinds(worker: list[tuple[float, ...]], forwards: list[tuple[float, ...]]) -> dict:
     """Stage 0's worker per step kind (as `step_kinds`, over the worker's own busy span): count
     and the p50 ms it waited for the step, ran `execute_model` and ran `sample_tokens`."""
-    spans = sorted((f[0] - f[5] / 1e3, f[0]) for f in forwards)
-    ends = [b for _, b in spans]
+    spans, ends = _forward_spans(forwards)
     kinds: dict[str, list[tuple[float, ...]]] = {"join": [], "leave": [], "codec": [], "plain": []}
     for before, (t, rows, tokens, idle, execute, sample) in zip([None, *worker], worker):
         kinds[_kind(t - (execute + sample) / 1e3, t, rows, tokens, before and before[1], spans, ends)].append((idle, execute, sample))

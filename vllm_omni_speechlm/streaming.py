@@ -280,7 +280,7 @@ class PlayoutPacer:
         while within [`codec_ramp_min_speed_percent`, 200%), else doubling (unmeasured, off, fast
         enough, or so slow that smaller windows would only add decode work)."""
         floor = self.settings[RAMP_SPEED_KEY] / 100
-        speed = self.frame_ms / self.pace_ms if self.pace_ms else DOUBLING
+        speed = self.speed or DOUBLING
         return speed if floor and floor <= speed < DOUBLING else DOUBLING
 
     @property

@@ -171,7 +171,7 @@ class WindowGate:
         if not state.emitted:
             state.paced = self._paces()
             state.reach = window[0] + window[1]
-            state.growing = not state.paced and window[1] < self.settings["codec_right_holdback_frames"] and self._ramp is self._short
+            state.growing = not state.paced and self._ramp is self._short  # its first window took the short lookahead
         if state.paced:  # the listener plays from the first window, pausing when dry
             state.plays_until = max(state.plays_until, now) + (window[0] - state.emitted) * self.pacer.frame_ms / 1e3
         state.emitted, state.holdback = window
