@@ -35,10 +35,12 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       sent so far (at least the first window's), as much as the
                                       listener's lead allows (docs/architecture.md)
     codec_ramp_min_right_holdback_frames  int, 0..holdback (unset: the holdback), with
-                                      codec_ramp_min_speed_percent: the least lookahead of a
-                                      segment's first window under the ramp while the measured
-                                      speed is at least that percentage; later windows' lookahead
-                                      grows back to the holdback within the listener's lead
+                                      codec_ramp_min_speed_percent: while the measured speed is at
+                                      least that percentage, a ramped segment's first window leaves
+                                      when the exact ramp's would, with this much lookahead, and
+                                      the frames that frees (holdback - this) as audio: a lead for
+                                      the hand-off's jitter; later windows' lookahead grows back to
+                                      the holdback within the listener's lead
                                       (`growing_lookahead_window`); those windows' last frames are
                                       not exact
     codec_batch_steps                 int, 0..chunk: a window of a full chunk leaves on every N-th
@@ -72,8 +74,6 @@ WINDOW_DEFAULTS = {
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 RAMP_SPEED_KEY = "codec_ramp_min_speed_percent"
 RAMP_MIN_HOLDBACK_KEY = "codec_ramp_min_right_holdback_frames"
-# Steps of generation a window with a growing lookahead keeps in hand for the hand-off's jitter.
-LEAD_SPARE_STEPS = 2
 DOUBLING = 2.0  # the fixed ramp's speed: each window brings as many new frames as were sent
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
 WINDOW_KEY = "window"
@@ -151,6 +151,17 @@ def max_window_ids(settings: dict[str, int], num_quantizers: int) -> int:
     return frames * num_quantizers
 
 
+def short_first_window_frames(settings: dict[str, int]) -> int | None:
+    """Frames of a ramped segment's first window with a short lookahead at the deployment's first
+    window (its frames, those the short lookahead frees, and that lookahead); None: the ramp is
+    exact. With no left context and less than the full lookahead the codec stage decodes it at
+    its own length, so it warms that length."""
+    full = settings["codec_right_holdback_frames"]
+    if settings[RAMP_MIN_HOLDBACK_KEY] >= full:
+        return None
+    return (settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]) + full
+
+
 def initial_chunk_frames(value: Any, field: str) -> int | None:
     """A request's own first window (None: the deployment's)."""
     if value is None:
@@ -204,19 +215,21 @@ def growing_lookahead_window(total: int, emitted: int, holdback: int, reach: int
 
     The listener started when the first window's `reach` frames (its end plus its lookahead) were
     made; stage 0 makes `speed` frames per frame of real time, so the listener plays until
-    `reach` + speed x `emitted` frames are made. A window leaves LEAD_SPARE_STEPS before that
-    deadline, or earlier with a full chunk ready. While the lookahead is short it brings half the
-    new frames the speed ramp would (at least the first window's), and the frames made beyond them
-    extend its lookahead (never below the window before's): the lead's growth is split between
-    new audio and lookahead, which is back to the holdback after a few windows (a first window of
-    4 frames with 2 of lookahead at 12.5 ms a step: the sixth is exact). Then each window brings
-    what is ready. Slower than real time: the doubling ramp with the full lookahead."""
+    `reach` + speed x `emitted` frames are made. A window leaves `first_chunk` (the first window's
+    frames) steps before that deadline, as the fixed ramp keeps the first window's frames of
+    generation in hand for the hand-off's jitter, or earlier with a full chunk ready. While the
+    lookahead is short it brings half the new frames the speed ramp would (at least the first
+    window's, fewer if fewer are made), and the frames made beyond them extend its lookahead (never
+    below the window before's): the lead's growth is split between new audio and lookahead, which
+    is back to the holdback after a few windows (a first window of 10 frames with 2 of lookahead at
+    12.5 ms a step: the fifth is exact). Then each window brings what is ready. Slower than real
+    time: the doubling ramp with the full lookahead."""
     full, chunk = settings["codec_right_holdback_frames"], settings["codec_chunk_frames"]
     if speed <= 1:  # no window keeps a listener playing: the doubling ramp, exact (fewer, larger windows)
         return next_window(total, emitted, first_chunk, settings, False)
     if total - full - emitted >= chunk:
         return emitted + chunk, full
-    if total < reach + math.floor(speed * emitted) - LEAD_SPARE_STEPS:
+    if total < reach + math.floor(speed * emitted) - first_chunk:
         return None  # the listener has time
     if holdback >= full:  # at least the first window's frames: near real time, windows would shrink
         return (total - full, full) if total - full - emitted >= first_chunk else None

@@ -84,8 +84,14 @@ def test_the_first_dummy_forward_warms_the_buckets_once(tmp_path):
         window = {"meta": {"left_context_size": 0, "right_holdback_size": 10}}
         out = stage.forward(input_ids=torch.zeros(12 * q, dtype=torch.long), runtime_additional_information=[window])
     # windows of up to 10 + 10 + 10 = 30 frames: buckets 16 and 32, batches 1, 2, 4
-    assert warmed == [((4, 30, 4096), 6)]
+    assert warmed == [((4, 30, 4096, ()), 6)]
     assert out.multimodal_outputs["model_outputs"][0].numel() == 2 * stage.hop
+    # a ramp from a short first lookahead: its first window (2 frames, the 8 a lookahead of 2
+    # frees, and those 2) is decoded at its own 12 frames, warmed too
+    extra |= {"initial_codec_chunk_frames": 2, "codec_ramp_min_speed_percent": 125, "codec_ramp_min_right_holdback_frames": 2}
+    assert SpeechLMCodecDecoder(vllm_config=config)._warm_shapes == (4, 30, 4096, (12,))
+    with torch.inference_mode():
+        assert stage.warm_up(4, 30, 4096, (12,)) == 6 + 3
 
 
 def test_a_step_padded_past_its_windows_decodes_the_windows(stage):

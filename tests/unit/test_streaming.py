@@ -184,13 +184,14 @@ def test_the_pacer_gives_the_ramp_its_speed_within_the_bounds_set():
             window_settings({"codec_ramp_min_speed_percent": bad})
 
 
-def _growing(pace_ms: float, jitter_ms: float, first: int = 4, frames: int = 300) -> tuple[list[tuple[int, int]], float, int]:
-    """The ramp from a first window of `first` frames with 2 of lookahead, at the speed stage 0
-    makes frames (`_ramped`'s listener and jitter). Returns the windows (end, holdback), the
-    listener's stall in ms and the step the first window left at."""
-    settings = window_settings({"initial_codec_chunk_frames": first, "codec_ramp_min_speed_percent": 125,
+def _growing(pace_ms: float, jitter_ms: float, frames: int = 300) -> tuple[list[tuple[int, int]], float, int]:
+    """The ramp from a short first lookahead (2 frames) after a deployment's first window of 2: the
+    first window leaves when the exact ramp's would, with 10 frames (the 8 of lookahead it frees),
+    at the speed stage 0 makes frames (`_ramped`'s listener and jitter). Returns the windows (end,
+    holdback), the listener's stall in ms and the step the first window left at."""
+    settings = window_settings({"initial_codec_chunk_frames": 2, "codec_ramp_min_speed_percent": 125,
                                 "codec_ramp_min_right_holdback_frames": 2})
-    first_settings = settings | {"codec_min_right_holdback_frames": 2}
+    first, first_settings = 2 + 8, settings | {"codec_min_right_holdback_frames": 2}
     windows, arrivals, reach, started = [], [], 0, 0
     for step in range(frames + 50):
         emitted, held = windows[-1] if windows else (0, 0)
@@ -212,14 +213,16 @@ def _growing(pace_ms: float, jitter_ms: float, first: int = 4, frames: int = 300
 
 @pytest.mark.parametrize("pace_ms", [8.0, 10.5, 12.5, 15.5])
 def test_a_ramp_from_a_short_lookahead_keeps_a_listener_playing_and_grows_it_back(pace_ms):
-    """A first window with 2 frames of lookahead leaves 8 steps before one with 10; the windows
-    after it keep the listener playing with a step and a half of hand-off jitter while their
-    lookahead grows back to the full one, never shrinking; after that every window is exact."""
-    windows, stall, started = _growing(pace_ms, jitter_ms=1.5 * pace_ms)
-    assert stall == 0.0 and started == 7 + 4 + 2 and windows[0] == (4, 2)
+    """A first window with 2 frames of lookahead leaves when the exact ramp's (2 frames with 10)
+    would, with 10 frames; the windows after it keep the listener playing through 8 steps of
+    hand-off jitter (the exact ramp: not 3) while their lookahead grows back to the full one, never
+    shrinking; after that every window is exact."""
+    windows, stall, started = _growing(pace_ms, jitter_ms=8 * pace_ms)
+    assert stall == 0.0 and started == 7 + 2 + 10 and windows[0] == (10, 2)
+    assert _ramped(pace_ms, jitter_ms=3 * pace_ms, speed=FRAME_MS / pace_ms)[1] > 0
     holdbacks = [h for _, h in windows]
     assert holdbacks == sorted(holdbacks) and holdbacks[-1] == 10
-    assert sum(h < 10 for h in holdbacks) <= {8.0: 2, 10.5: 4, 12.5: 5, 15.5: 10}[pace_ms]
+    assert sum(h < 10 for h in holdbacks) <= {8.0: 2, 10.5: 3, 12.5: 4, 15.5: 10}[pace_ms]
     assert [e for e, _ in windows] == sorted(set(e for e, _ in windows)) and windows[-1][0] >= 300
 
 
@@ -228,7 +231,7 @@ def test_slower_than_real_time_a_short_lookahead_ramp_doubles_exactly():
     first are the doubling ramp's, with the full lookahead (fewer, larger windows)."""
     windows, _, _ = _growing(25.0, jitter_ms=0.0)
     assert [h for _, h in windows[1:]] == [10] * (len(windows) - 1)
-    assert [b - a for (a, _), (b, _) in zip(windows, windows[1:4])] == [4, 8, 16]
+    assert [b - a for (a, _), (b, _) in zip(windows, windows[1:4])] == [10, 20, 25]
 
 
 def test_a_short_ramp_lookahead_needs_the_measured_speed_and_at_most_the_holdback():

@@ -18,7 +18,8 @@ lookahead's or a clip's end stays where it is: whole-clip decoding ends with zer
 call's batch is padded to a bucket size (`batch_bucket`). So the decoder meets a few shapes, which
 vLLM's first dummy forward (its memory profile) decodes once each (`warm_up`): a shape's first
 decode picks cuDNN algorithms and allocates, ~50-100 ms on an H100, which a listener would hear.
-A window with neither (a segment's first windows with a short lookahead) keeps its length.
+A window with neither (a segment's first windows with a short lookahead) keeps its length; the
+dummy forward decodes the deployment's ramped first window at its own length too.
 
 Weights: the codec checkpoint under `<model_dir>/<speechlm.codec.path>` (not the LM's
 safetensors, which the engine's loader streams through `load_weights` and this stage drains).
@@ -42,7 +43,7 @@ from vllm_omni_speechlm.codec.xcodec import fuse_snakes
 from vllm_omni_speechlm.config import CODEC_FUSED_KEY, CODEC_GRAPHS_KEY, SpeechLMConfig
 from vllm_omni_speechlm.models.codec_graphs import DecodeGraphs
 from vllm_omni_speechlm.resample import requested_rate, resample
-from vllm_omni_speechlm.streaming import max_window_ids, window_settings
+from vllm_omni_speechlm.streaming import max_window_ids, short_first_window_frames, window_settings
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +109,11 @@ class SpeechLMCodecDecoder(nn.Module):
         extra = (getattr(model_config, "stage_connector_config", None) or {}).get("extra") or {}
         # The shapes a streamed window can take (async_chunk), warmed by the first dummy forward.
         sched = vllm_config.scheduler_config
+        settings = window_settings(extra)
+        own = short_first_window_frames(settings)
         self._warm_shapes = (
-            (sched.max_num_seqs, max_window_ids(window_settings(extra), self.num_quantizers) // self.num_quantizers,
-             sched.max_num_batched_tokens) if getattr(model_config, "async_chunk", False) else None
+            (sched.max_num_seqs, max_window_ids(settings, self.num_quantizers) // self.num_quantizers,
+             sched.max_num_batched_tokens, (own,) if own else ()) if getattr(model_config, "async_chunk", False) else None
         )
         if _cuda_switch(vllm_config, CODEC_FUSED_KEY):
             fuse_snakes(self.codec)
@@ -138,15 +141,17 @@ class SpeechLMCodecDecoder(nn.Module):
         self.hop = self.codec.config.hop_length
         self.sample_rate = self.codec.config.sample_rate
         self.left_reach, self.right_reach = self.codec.config.receptive_field_frames
-        self._warm_shapes: tuple[int, int, int] | None = None  # (windows, frames, codes a step)
+        self._warm_shapes: tuple[int, int, int, tuple[int, ...]] | None = None  # (windows, frames, codes a step, own lengths)
         self._graphs: DecodeGraphs | None = None
 
-    def warm_up(self, max_batch: int, max_frames: int, max_ids: int) -> int:
+    def warm_up(self, max_batch: int, max_frames: int, max_ids: int, own_frames: tuple[int, ...] = ()) -> int:
         """Decode once every (batch bucket, frame bucket) a streamed window can meet: up to
-        `max_batch` windows of up to `max_frames`, at most `max_ids` codes a step -> shapes."""
+        `max_batch` windows of up to `max_frames`, at most `max_ids` codes a step, and the
+        `own_frames` lengths of windows decoded unpadded (the deployment's short first lookahead)
+        -> shapes."""
         device = next(self.codec.parameters()).device
-        shapes = [(b, t) for b in sorted({batch_bucket(n) for n in range(1, max_batch + 1)})
-                  for t in range(FRAME_BUCKET, frame_bucket(max_frames) + 1, FRAME_BUCKET)
+        lengths = [*range(FRAME_BUCKET, frame_bucket(max_frames) + 1, FRAME_BUCKET), *own_frames]
+        shapes = [(b, t) for b in sorted({batch_bucket(n) for n in range(1, max_batch + 1)}) for t in lengths
                   if batch_bucket(max(1, max_ids // (t * self.num_quantizers))) >= b]
         if self._graphs is not None:  # recording decodes each shape once before its capture
             try:
