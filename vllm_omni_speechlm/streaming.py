@@ -151,15 +151,22 @@ def max_window_ids(settings: dict[str, int], num_quantizers: int) -> int:
     return frames * num_quantizers
 
 
+def ramp_first_chunk(first: int, settings: dict[str, int]) -> int:
+    """New frames of a ramped segment's first window with the short lookahead
+    (`codec_ramp_min_right_holdback_frames`): it leaves when an exact first window of `first`
+    frames would, so the lookahead it does not hold back is audio."""
+    return first + settings["codec_right_holdback_frames"] - settings[RAMP_MIN_HOLDBACK_KEY]
+
+
 def short_first_window_frames(settings: dict[str, int]) -> int | None:
-    """Frames of a ramped segment's first window with a short lookahead at the deployment's first
-    window (its frames, those the short lookahead frees, and that lookahead); None: the ramp is
-    exact. With no left context and less than the full lookahead the codec stage decodes it at
-    its own length, so it warms that length."""
-    full = settings["codec_right_holdback_frames"]
-    if settings[RAMP_MIN_HOLDBACK_KEY] >= full:
+    """Frames of a ramped segment's first window with the short lookahead at the deployment's
+    first window (its new frames and that lookahead); None: the ramp is exact. With no left
+    context and less than the full lookahead the codec stage decodes it at its own length, so it
+    warms that length."""
+    short = settings[RAMP_MIN_HOLDBACK_KEY]
+    if short >= settings["codec_right_holdback_frames"]:
         return None
-    return (settings["initial_codec_chunk_frames"] or settings["codec_chunk_frames"]) + full
+    return ramp_first_chunk(first_window({}, settings), settings) + short
 
 
 def initial_chunk_frames(value: Any, field: str) -> int | None:

@@ -45,6 +45,7 @@ from vllm_omni_speechlm.streaming import (
     first_window,
     growing_lookahead_window,
     next_window,
+    ramp_first_chunk,
     requested_first_window,
 )
 
@@ -94,9 +95,6 @@ class WindowGate:
         self._exact = settings | {MIN_HOLDBACK_KEY: full} if paced else settings
         short = settings[RAMP_MIN_HOLDBACK_KEY]
         self._short = settings | {MIN_HOLDBACK_KEY: short} if short < full else None
-        # A short first lookahead leaves when the exact one would: the frames it frees are audio,
-        # a lead for the hand-off's jitter (the growing ramp keeps that many steps in hand).
-        self._freed = full - short
         self._ramp = self._exact
         # Parallel rules: a row is audio iff its stream 0 is a codec code.
         s0 = cfg.streams[0]
@@ -225,13 +223,16 @@ class WindowGate:
         if state.paced:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
         first = state.own_first_chunk or first_window({}, self.settings)
+        # A short first lookahead leaves when the exact one would: the frames it frees are audio,
+        # a lead for the hand-off's jitter (the growing ramp keeps that many steps in hand).
         if state.growing:
-            return growing_lookahead_window(total, state.emitted, state.holdback, state.reach, first + self._freed,
-                                            self.settings, self.pacer.speed or DOUBLING)
+            return growing_lookahead_window(total, state.emitted, state.holdback, state.reach,
+                                            ramp_first_chunk(first, self.settings), self.settings,
+                                            self.pacer.speed or DOUBLING)
         if state.emitted or not self._paces():
-            grows = not state.emitted and self._ramp is self._short
-            return next_window(total, state.emitted, first + self._freed if grows else first, self._ramp, False,
-                               self._speed)
+            if not state.emitted and self._ramp is self._short:
+                first = ramp_first_chunk(first, self.settings)
+            return next_window(total, state.emitted, first, self._ramp, False, self._speed)
         if not state.own_first_chunk:
             first = self.pacer.first_chunk(first)
         return next_window(total, 0, first, self.settings, False)
