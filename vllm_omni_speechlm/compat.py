@@ -11,6 +11,7 @@ stops start-up on versions the project was not tested with.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
@@ -110,6 +111,11 @@ HOOKS = (
     Hook(_ADAPTER, "save_async", "override", "self, multimodal_output=None, request=None, is_segment_finished=False, "
          "new_token_ids=None, confirmed_num_computed_tokens=None, segment_generation=None, force_request_finished=False"),
     Hook(_ADAPTER, "cleanup_sender", "call", "self, external_req_id"),  # frees the processor's state below
+    # send_on_calling_thread: the save loop sends while its queue is truthy; the queue and one send
+    Hook(_ADAPTER, "save_loop", "relied", "self"),
+    Hook(_ADAPTER, "_pending_save_reqs", "attribute"),
+    Hook(_ADAPTER, "_send_single_request", "call", "self, task"),
+    Hook(_ADAPTER, "record_send_failure", "call", "self, request_id, reason"),
     Hook(_ADAPTER, "custom_process_next_stage_input_func", "attribute"),
     Hook(_ADAPTER, "code_prompt_token_ids", "attribute"),
     Hook(_ADAPTER, "request_payload", "attribute"),
@@ -339,6 +345,50 @@ def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool,
         return send(payload, request, is_segment_finished, **kw) if hand_over else None
 
     adapter.save_async = save_async
+
+
+class _CallerSends:
+    """The chunk adapter's send queue, empty to its save thread: tasks wait in `tasks` for the
+    thread that queued them (`send_on_calling_thread`)."""
+
+    def __init__(self) -> None:
+        self.tasks: collections.deque = collections.deque()
+
+    def append(self, task: Any) -> None:
+        self.tasks.append(task)
+
+    def __len__(self) -> int:
+        return 0
+
+
+def send_on_calling_thread(adapter: Any) -> Callable[[], None]:
+    """Make the chunk adapter's sends (the processor's cut and the connector's put of a window, the
+    unlinking of an aborted request's windows) run on the thread that queues them: after each
+    `save_async`, and whenever the returned `drain` is called. Its save thread then only reaps
+    consumed keys. vllm-omni sends on that thread to keep the connector's I/O off the scheduler's,
+    but in stage 0's process the two share the interpreter lock, and each of a send's system calls
+    hands the lock over and waits to get it back."""
+    held = _CallerSends()
+    adapter._pending_save_reqs = held
+    queue = adapter.save_async
+
+    def drain() -> None:
+        while held.tasks:
+            task = held.tasks.popleft()
+            try:
+                adapter._send_single_request(task)
+            except Exception as e:  # as the save loop does: the request fails now, not at the next stage's deadline
+                request_id = getattr(task.get("request"), "request_id", None)
+                logger.error("window send gave up for %s: %s", request_id, e)
+                adapter.record_send_failure(request_id, f"{type(e).__name__}: {e}")
+
+    def save_async(*args: Any, **kwargs: Any) -> Any:
+        queued = queue(*args, **kwargs)
+        drain()
+        return queued
+
+    adapter.save_async = save_async
+    return drain
 
 
 @contextlib.contextmanager

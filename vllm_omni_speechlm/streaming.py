@@ -48,6 +48,10 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
                                       the codec stage decodes the answers' windows in N times fewer,
                                       larger forwards when answers start at different times (0, 1:
                                       every step)
+    codec_windows_on_scheduler_thread  0 or 1: 1, stage 0's scheduler thread cuts and writes each
+                                      window as it hands it over; 0, vllm-omni's save thread does,
+                                      which shares the interpreter lock with the scheduler's thread
+                                      and fell behind from ~96 listeners on one H200
 Any other `codec_*` key is a typo and is rejected. A request may set its own first window
 (`INITIAL_CHUNK_KEY` in its prompt's additional information, at most MAX_INITIAL_CHUNK_FRAMES).
 """
@@ -70,10 +74,12 @@ WINDOW_DEFAULTS = {
     "codec_batch_steps": 0,  # 0: a full window leaves on the step it is due
     "codec_ramp_min_speed_percent": 0,  # 0: the ramp doubles whatever the pace
     "codec_ramp_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (the ramp exact)
+    "codec_windows_on_scheduler_thread": 0,  # 0: vllm-omni's save thread cuts and writes the windows
 }
 MIN_HOLDBACK_KEY = "codec_min_right_holdback_frames"
 RAMP_SPEED_KEY = "codec_ramp_min_speed_percent"
 RAMP_MIN_HOLDBACK_KEY = "codec_ramp_min_right_holdback_frames"
+SCHEDULER_THREAD_KEY = "codec_windows_on_scheduler_thread"
 DOUBLING = 2.0  # the fixed ramp's speed: each window brings as many new frames as were sent
 # The window gate's decision in the payload it hands over: (end, holdback) in segment frames.
 WINDOW_KEY = "window"
@@ -120,6 +126,11 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
     if out["codec_batch_steps"] > chunk:  # a window a chunk per more steps than a chunk's frames falls behind
         raise ValueError(f"connector extra: codec_batch_steps ({out['codec_batch_steps']}) must be <= "
                          f"codec_chunk_frames ({chunk})")
+    if out[SCHEDULER_THREAD_KEY] > 1:
+        raise ValueError(f"connector extra: {SCHEDULER_THREAD_KEY} must be 0 or 1, got {out[SCHEDULER_THREAD_KEY]}")
+    if out[SCHEDULER_THREAD_KEY] and out["codec_queued_windows"]:
+        raise ValueError(f"connector extra: codec_queued_windows bounds the windows waiting on the save thread; "
+                         f"with {SCHEDULER_THREAD_KEY} none waits")
     if out[RAMP_SPEED_KEY] and not 100 < out[RAMP_SPEED_KEY] < 200:
         raise ValueError(f"connector extra: {RAMP_SPEED_KEY} must be 0 or in 101..199, got {out[RAMP_SPEED_KEY]}")
     for key in ("codec_paced_max_step_ms", "codec_paced_max_streams"):

@@ -47,11 +47,12 @@ def handed() -> dict[str, int]:
 
 def stamp(payload: Any = None) -> dict[str, int]:
     """A window's extra information: when it was cut, and when the gate handed its rows over (the
-    gate's `payload`) ({} when tracing is off)."""
+    gate's `payload`; 0: not known) ({} when tracing is off). Always both keys: stage 1 merges each
+    window's keys into its request's information, so a missing one would keep the window before's."""
     if not ENABLED:
         return {}
     at = payload.get(HANDED_KEY) if isinstance(payload, dict) else None
-    return {SENT_KEY: time.time_ns() // 1000} | ({HANDED_KEY: at} if at is not None else {})
+    return {SENT_KEY: time.time_ns() // 1000, HANDED_KEY: at or 0}
 
 
 def sent_us(info: Any, key: str = SENT_KEY) -> int | None:
@@ -69,7 +70,7 @@ def log_forward(infos: list[dict], started: float, frames: int) -> None:
     done = time.time()
     sent = [s for s, _ in stamps]
     waits = sorted(started * 1e3 - s / 1e3 for s in sent)
-    queued = [(s - h) / 1e3 for s, h in stamps if h is not None]
+    queued = [(s - h) / 1e3 for s, h in stamps if h]
     logger.info("%s t=%.3f windows=%d frames=%d wait_ms_min=%.1f wait_ms_max=%.1f decode_ms=%.1f queue_ms_max=%.1f",
                 LINE, done, len(sent), frames, waits[0], waits[-1], (done - started) * 1e3, max(queued, default=0.0))
 

@@ -11,10 +11,12 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from conftest import (TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, TransferManager, espnet_segment_audio, feed_processor, new_shm,
                       shm_names)
@@ -22,7 +24,7 @@ from conftest import (TWO_SEGMENTS, TWO_SEGMENTS_PROMPT, TransferManager, espnet
 from vllm_omni_speechlm import stage_configs
 from vllm_omni_speechlm.frames import CLIENT_CODES_KEY
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
-from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY
+from vllm_omni_speechlm.streaming import INITIAL_CHUNK_KEY, SCHEDULER_THREAD_KEY
 
 HOP = 320
 # Measured max |streamed - whole clip| on these tests: 1.8e-5 (float32 rounding through the
@@ -140,6 +142,10 @@ def test_concurrent_requests_no_crosstalk(gen, reference):
     """4 requests with audio of different lengths in one batch (Omni takes one SamplingParams per
     stage, so max_tokens is shared; the text part's length, a per-request speech option, varies
     where the audio starts): each stream equals its own whole clip."""
+    _assert_concurrent_streams_exact(gen, reference)
+
+
+def _assert_concurrent_streams_exact(gen, reference) -> None:
     batch = []
     for i, prompt in enumerate(PROMPTS):
         kw = dict(modality="text+audio", min_text_tokens=2 + 12 * i, max_text_tokens=2 + 12 * i, seed=7, max_tokens=110)
@@ -155,6 +161,10 @@ def test_concurrent_requests_no_crosstalk(gen, reference):
 def test_abort_mid_stream_leaves_nothing(gen, reference):
     """Abort after the first chunk reached the client: no /dev/shm segment is left behind and the
     engine serves the next request exactly (stale processor state would corrupt its windows)."""
+    _assert_abort_mid_stream_leaves_nothing(gen, reference)
+
+
+def _assert_abort_mid_stream_leaves_nothing(gen, reference) -> None:
     before = shm_names()
     prompt, sampling, _ = _request(gen, PROMPTS[0], modality="audio", seed=1, max_tokens=400)
     first_chunk, done = threading.Event(), threading.Event()
@@ -319,6 +329,26 @@ def long_clip(tiny_bagpiper, reference):
 
     ids = encode_prompt(reference.tokenizer, reference.cfg, PROMPTS[3], system=SYSTEM)
     return reference.generate(ids, SpeechSamplingParams(modality="audio", seed=5, max_tokens=160))
+
+
+@pytest.fixture(scope="module")
+def gen_on_scheduler_thread(tiny_bagpiper, tmp_path_factory):
+    from vllm_omni_speechlm.generator import SpeechLMGenerator
+
+    deploy = yaml.safe_load(Path(stage_configs.path("bagpiper_streaming_cpu_tiny.yaml")).read_text())
+    deploy["connectors"]["shm"]["extra"][SCHEDULER_THREAD_KEY] = 1
+    path = tmp_path_factory.mktemp("deploy") / "windows_on_scheduler_thread.yaml"
+    path.write_text(yaml.safe_dump(deploy, sort_keys=False))
+    with SpeechLMGenerator(tiny_bagpiper, deploy_config=str(path)) as g:
+        yield g
+
+
+def test_windows_cut_on_the_scheduler_thread_stream_exactly(gen_on_scheduler_thread, reference):
+    """`codec_windows_on_scheduler_thread`: stage 0's scheduler thread cuts and writes the windows
+    instead of vllm-omni's save thread; concurrent answers still each equal their whole clip, and
+    an abort (its windows unlinked from the scheduler's thread too) leaves no segment behind."""
+    _assert_concurrent_streams_exact(gen_on_scheduler_thread, reference)
+    _assert_abort_mid_stream_leaves_nothing(gen_on_scheduler_thread, reference)
 
 
 def test_processor_state_is_only_in_adapter_dicts(tiny_bagpiper, long_clip):
@@ -516,15 +546,16 @@ def test_window_gate_hands_over_only_window_steps(tiny_bagpiper, reference, moda
 
 
 def test_traced_windows_carry_when_the_gate_handed_them_over(tiny_bagpiper, long_clip, monkeypatch):
-    """SPEECHLM_TRACE_WINDOWS: every window the gate decided carries its hand-over time and, no
-    earlier, the time the processor cut it (stage 1's `queue_ms_max`: the save thread's lag)."""
+    """SPEECHLM_TRACE_WINDOWS: every window the gate hands over, the flush at finish too, carries
+    its hand-over time and, no earlier, the time the processor cut it (stage 1's `queue_ms_max`:
+    the save thread's lag). Stage 1 merges each window's keys into its request's information, so
+    a window without the hand-over time would show the window before's."""
     from vllm_omni_speechlm import window_trace
 
     monkeypatch.setattr(window_trace, "ENABLED", True)
     payloads, _ = feed_processor(TransferManager(tiny_bagpiper, initial_codec_chunk_frames=2), long_clip.tokens, gated=True)
     stamps = [(getattr(p, window_trace.HANDED_KEY, None), getattr(p, window_trace.SENT_KEY, None)) for p in payloads]
-    decided = stamps[:-1]  # the last is the flush at finish, which the gate hands over undecided
-    assert decided and all(handed is not None and 0 <= sent - handed < 10_000_000 for handed, sent in decided)
+    assert len(stamps) > 2 and all(handed and 0 <= sent - handed < 10_000_000 for handed, sent in stamps)
 
 
 @pytest.mark.parametrize("modality, rows, reported", [("audio", "text", True), ("audio", "audio", False), ("text", "text", False)])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -295,3 +297,72 @@ def test_vllm_serve_forks_its_stages_when_asked(monkeypatch, fork):
     monkeypatch.setenv(plugin.FORK_STAGES_ENV, "1" if fork else "0")
     plugin.register()
     assert manager.get_mp_context().get_start_method() == ("fork" if fork else "spawn")
+
+
+def _adapter():
+    """vllm-omni's transfer adapter base (its real save loop on its own thread) with a send that
+    records the thread it ran on; task "bad" fails as a full connector would."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.base import OmniTransferAdapterBase
+
+    class Adapter(OmniTransferAdapterBase):
+        def __init__(self):
+            self.sent = []
+            super().__init__(config=None)
+
+        def save_async(self, task):
+            self._pending_save_reqs.append(task)
+            with self._save_cond:
+                self._save_cond.notify()
+
+        def _send_single_request(self, task):
+            if task["name"] == "bad":
+                raise OSError("no space left")
+            self.sent.append((task["name"], threading.get_ident()))
+
+    return Adapter()
+
+
+def _task(name: str) -> dict:
+    return {"name": name, "request": SimpleNamespace(request_id=f"req-{name}")}
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_the_adapters_own_save_thread_sends_unless_told_otherwise():
+    adapter = _adapter()
+    try:
+        adapter.save_async(_task("a"))
+        _wait_for(lambda: adapter.sent)
+        assert adapter.sent[0][1] == adapter.save_thread.ident != threading.get_ident()
+    finally:
+        adapter.shutdown()
+
+
+def test_sends_run_on_the_thread_that_queues_them_in_order():
+    """After `send_on_calling_thread`: each `save_async` sends on the caller's thread before it
+    returns; a task queued outside it (an abort's unlinking) waits for `drain`; a send that fails
+    is recorded against its request and the next still goes; the save thread, woken by every
+    queue, never sends."""
+    adapter = _adapter()
+    try:
+        drain = compat.send_on_calling_thread(adapter)
+        adapter.save_async(_task("a"))
+        assert adapter.sent == [("a", threading.get_ident())]
+        adapter._pending_save_reqs.append(_task("cleanup"))
+        adapter._pending_save_reqs.append(_task("bad"))
+        adapter.save_async(_task("b"))
+        assert [name for name, _ in adapter.sent] == ["a", "cleanup", "b"]
+        assert adapter.collect_failed_send_request_ids() == {"req-bad": "OSError: no space left"}
+        adapter._pending_save_reqs.append(_task("c"))
+        time.sleep(0.3)  # the save loop wakes at least every 0.1 s
+        assert len(adapter.sent) == 3
+        drain()
+        assert adapter.sent[-1] == ("c", threading.get_ident())
+        assert {thread for _, thread in adapter.sent} == {threading.get_ident()}
+    finally:
+        adapter.shutdown()

@@ -21,13 +21,21 @@ def test_off_adds_nothing(monkeypatch):
     assert window_trace.stamp() == {}
 
 
+def test_a_window_without_a_hand_over_time_still_carries_the_key(monkeypatch):
+    """Stage 1 merges each window's keys into its request's information: a window the gate did not
+    stamp must overwrite the window before's hand-over time, not inherit it."""
+    monkeypatch.setattr(window_trace, "ENABLED", True)
+    assert window_trace.stamp(None)[window_trace.HANDED_KEY] == 0
+    assert window_trace.stamp({window_trace.HANDED_KEY: 7})[window_trace.HANDED_KEY] == 7
+
+
 def test_a_forward_line_gives_the_waits_and_the_decode(monkeypatch, caplog):
     from window_trace import LINE, summarize
 
     monkeypatch.setattr(window_trace, "ENABLED", True)
     now = time.time()
     infos = [{window_trace.SENT_KEY: [int((now - 0.030) * 1e6)], window_trace.HANDED_KEY: int((now - 0.042) * 1e6)},
-             {window_trace.SENT_KEY: int((now - 0.010) * 1e6)}, {}]
+             {window_trace.SENT_KEY: int((now - 0.010) * 1e6), window_trace.HANDED_KEY: 0}, {}]  # 0: not known
     with caplog.at_level(logging.INFO, logger=window_trace.__name__):
         window_trace.log_forward(infos, started=now, frames=120)
     [line] = [r.getMessage() for r in caplog.records]

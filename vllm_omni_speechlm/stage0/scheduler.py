@@ -53,7 +53,7 @@ from vllm_omni.request import OmniRequest
 
 from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.cfg import companion_id, guided_mode, is_companion, unconditional_prompt
-from vllm_omni_speechlm.compat import gate_chunk_sends, salt_prefix_blocks
+from vllm_omni_speechlm.compat import gate_chunk_sends, salt_prefix_blocks, send_on_calling_thread
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode, RowKind, enforced_kind
 from vllm_omni_speechlm.frames import StepOutputs
@@ -61,6 +61,7 @@ from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
 from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk, windows_taken
+from vllm_omni_speechlm.streaming import SCHEDULER_THREAD_KEY
 
 logger = init_logger(__name__)
 
@@ -94,16 +95,22 @@ class _PairedCFGMixin:
         self._gate_ended: set[str] = set()  # external ids freed since the last step
         self.frame_blocks = ClientFrameBlocks(self.speech.num_streams)
         self._updating = False  # inside update_from_output
+        self._drain_sends = lambda: None  # sends queued outside `save_async` (an abort's unlinking), when sent inline
         adapter = getattr(self, "chunk_transfer_adapter", None)
         if adapter is not None:
             self._gate_sends(adapter)
 
     def _gate_sends(self, adapter: Any) -> None:
         """Companions send nothing downstream; with the speech-codec processor, a main request's
-        step reaches the adapter only when it completes a window (`WindowGate`)."""
+        step reaches the adapter only when it completes a window (`WindowGate`), and with
+        `codec_windows_on_scheduler_thread` the window is cut and written on this thread."""
         if adapter.custom_process_next_stage_input_func is speechlm2codec_async_chunk:
-            self._gate = WindowGate(self.speech, chunk_settings(adapter), taken=functools.partial(windows_taken, adapter))
+            settings = chunk_settings(adapter)
+            self._gate = WindowGate(self.speech, settings, taken=functools.partial(windows_taken, adapter))
             logger.info("stage-0 chunk sends: only window-completing steps reach the adapter (WindowGate)")
+            if settings[SCHEDULER_THREAD_KEY]:
+                self._drain_sends = send_on_calling_thread(adapter)
+                logger.info("stage-0 windows: cut and written on the scheduler's thread")
         gate_chunk_sends(adapter, self._offer_chunk)
 
     def _offer_chunk(self, request: Any, payload: Any, finished: bool) -> tuple[bool, Any]:
@@ -376,6 +383,7 @@ class _PairedCFGMixin:
         # Once for the whole step (every client's outputs): it then drops the freed requests' frames.
         step_outputs = [o for e in outputs.values() for o in e.outputs]
         self.frame_blocks.regroup(step_outputs, runner_outputs, model_runner_output.req_id_to_index, self.requests)
+        self._drain_sends()
         return outputs
 
     @staticmethod
@@ -389,7 +397,9 @@ class _PairedCFGMixin:
         if request_ids is not None:
             ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
             request_ids = ids | {self.partner[i] for i in ids if i in self.partner}
-        return super().finish_requests(request_ids, finished_status)
+        finished = super().finish_requests(request_ids, finished_status)
+        self._drain_sends()
+        return finished
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """Every finish path (stop, length, abort, error) ends here. A partner still alive is an

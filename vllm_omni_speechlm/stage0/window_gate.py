@@ -138,7 +138,8 @@ class WindowGate:
             self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
             self.handed_total += 1
-            return True, self._take(state)
+            rows = self._take(state)
+            return True, rows if rows is None else rows | window_trace.handed()
         now = self.clock() if self._clocked else 0.0
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
             return False, None
