@@ -23,6 +23,7 @@ measured answer had N open beside it. Per level:
     stall         a listener starts playing at the first byte (and, the second figure, 200 ms
                   later) and plays in real time; a stall is time it has nothing to play
     stall-free    share of answers with no stall (under 1 ms in all)
+    first gaps    where each gapped answer's first gap came, in audio seconds played (first byte)
     first chunks  one listener's first chunks: (arrival s, audio s) each, to see where a stall starts
     rtf           answer's wall time / its audio seconds (mean)
     audio s / s   all audio received / the level's wall time
@@ -112,6 +113,17 @@ def stall_s(chunks: list[tuple[float, float]], buffer_s: float) -> float:
     return stalled
 
 
+def first_gap_s(chunks: list[tuple[float, float]]) -> float | None:
+    """Audio seconds a listener who starts at the first byte played before its first gap (None: no gap)."""
+    plays_until, played = chunks[0][0] if chunks else 0.0, 0.0
+    for at, seconds in chunks:
+        if at - plays_until >= STALL_FREE_S:
+            return played
+        plays_until = max(plays_until, at) + seconds
+        played += seconds
+    return None
+
+
 def _sse_audio(line: str) -> bytes:
     if not line.startswith("data: "):
         return b""
@@ -144,6 +156,7 @@ async def listen(client: httpx.AsyncClient, body: dict, sse: bool) -> dict:
         "wall_s": wall,
         "stall_s": stall_s(chunks, 0.0),
         "stall_buffered_s": stall_s(chunks, BUFFER_S),
+        "first_gap_s": first_gap_s(chunks),
         "chunks": len(chunks),
         "first_chunks": [(round(at, 4), round(seconds, 4)) for at, seconds in chunks[:FIRST_CHUNKS]],
         "sent_wall": sent_wall,
@@ -171,6 +184,7 @@ def speech_summary(results: list[dict], wall: float) -> dict:
         "audio_s_per_request": statistics.fmean(r["audio_s"] for r in heard) if heard else 0.0,
         "audio_s_per_wall_s": sum(r["audio_s"] for r in heard) / wall,
         "wall_s": wall,
+        "first_gaps_s": sorted(round(r["first_gap_s"], 2) for r in heard if r["first_gap_s"] is not None),
         "first_chunks": heard[0]["first_chunks"] if heard else [],
         "sent_wall": min((r["sent_wall"] for r in ok), default=None),  # the level's start (server logs)
     }

@@ -5,9 +5,8 @@ vllm-omni engines in this process, CPU), `server` (`vllm serve` driven over HTTP
 runs all; `make test PYTEST_ARGS="-m unit"` one tier.
 """
 
-import functools
 import os
-from collections import defaultdict, deque
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -347,11 +346,10 @@ class TransferManager:
 
 
 def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: str = "r0", first: int | None = None,
-                   rate: int | None = None, step_s: float = 0.01, lag: int = 0):
+                   rate: int | None = None, step_s: float = 0.01):
     """Run the processor over [L, S] step rows the way the adapter does, each step offered to the
     scheduler's `WindowGate` first when `gated` (its clock advancing `step_s` per step); `first` /
-    `rate`: the request's first window and output rate; `lag`: the steps a handed-over payload
-    waits for the save thread. Returns (payloads sent, processor calls)."""
+    `rate`: the request's first window and output rate. Returns (payloads sent, processor calls)."""
     from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
     from vllm_omni_speechlm.config import SpeechLMConfig
@@ -364,21 +362,10 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     request = SimpleNamespace(external_req_id=req_id, additional_information=info, output_token_ids=[])
     now = [0.0]
     gate = WindowGate(SpeechLMConfig.from_model_dir(tm.config.model), speech_codec.chunk_settings(tm),
-                      clock=lambda: now[0], taken=functools.partial(speech_codec.windows_taken, tm)) if gated else None
-    sent, queue = [], deque()  # queue: (step due, payload, finished) on the save thread
-
-    def save_thread(step: int) -> None:
-        while queue and queue[0][0] <= step:
-            _, output, finished = queue.popleft()
-            payload = speech_codec.speechlm2codec_async_chunk(tm, output, request, is_finished=finished)
-            if payload is not None:  # its codes as stage 1 decodes them off the wire
-                payload.codes.audio = OmniSerializer.deserialize(OmniSerializer.serialize(payload.codes.audio))
-                sent.append(payload)
-
-    calls = 0
+                      clock=lambda: now[0]) if gated else None
+    sent, calls = [], 0
     for i, row in enumerate(tokens):
         now[0] += step_s
-        save_thread(i)
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
         request.output_token_ids.append(int(row[0]))  # vLLM's request holds the step's token by then
         if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
@@ -387,8 +374,9 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
             if not hand_over:
                 continue
         calls += 1
-        queue.append((i + lag, output, finished))
-        save_thread(i)
-    save_thread(len(tokens) + lag)
+        payload = speech_codec.speechlm2codec_async_chunk(tm, output, request, is_finished=finished)
+        if payload is not None:  # its codes as stage 1 decodes them off the wire
+            payload.codes.audio = OmniSerializer.deserialize(OmniSerializer.serialize(payload.codes.audio))
+            sent.append(payload)
     assert gate is None or len(gate) == 0  # the finishing step closed the request
     return sent, calls

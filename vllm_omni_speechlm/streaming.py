@@ -23,10 +23,6 @@ Settings (the deploy YAML's connector `extra`; checked at engine start-up by dep
     codec_paced_max_streams           int >= 0, paced windows only: a segment is paced when its
                                       first window leaves while at most this many answers stream
                                       to the codec stage (its own included); 0: no bound
-    codec_queued_windows              int >= 0: while this many of a request's windows wait to be
-                                      cut on stage 0's save thread, its next window waits too, up
-                                      to a full chunk: a burst's ramp windows merge instead of
-                                      queuing one by one (0: no bound)
     codec_ramp_min_speed_percent      0 or 101..199: 0, the fixed ramp doubles the audio sent with
                                       each window, which keeps a listener playing only while stage 0
                                       makes frames at least twice as fast as real time; N, while it
@@ -70,7 +66,6 @@ WINDOW_DEFAULTS = {
     "codec_playout_margin_steps": 0,  # 0: the fixed ramp
     "codec_paced_max_step_ms": 0,  # 0: paced while faster than real time
     "codec_paced_max_streams": 0,  # 0: paced however many answers stream
-    "codec_queued_windows": 0,  # 0: a window leaves when due, however many wait on the save thread
     "codec_batch_steps": 0,  # 0: a full window leaves on the step it is due
     "codec_ramp_min_speed_percent": 0,  # 0: the ramp doubles whatever the pace
     "codec_ramp_min_right_holdback_frames": None,  # None: codec_right_holdback_frames (the ramp exact)
@@ -128,9 +123,6 @@ def window_settings(extra: dict[str, Any] | None, reach: tuple[int, int] | None 
                          f"codec_chunk_frames ({chunk})")
     if out[SCHEDULER_THREAD_KEY] > 1:
         raise ValueError(f"connector extra: {SCHEDULER_THREAD_KEY} must be 0 or 1, got {out[SCHEDULER_THREAD_KEY]}")
-    if out[SCHEDULER_THREAD_KEY] and out["codec_queued_windows"]:
-        raise ValueError(f"connector extra: codec_queued_windows bounds the windows waiting on the save thread; "
-                         f"with {SCHEDULER_THREAD_KEY} none waits")
     if out[RAMP_SPEED_KEY] and not 100 < out[RAMP_SPEED_KEY] < 200:
         raise ValueError(f"connector extra: {RAMP_SPEED_KEY} must be 0 or in 101..199, got {out[RAMP_SPEED_KEY]}")
     for key in ("codec_paced_max_step_ms", "codec_paced_max_streams"):
@@ -212,8 +204,8 @@ def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, 
     frames sent so far, at least the first window's, up to codec_chunk_frames (first 4, speed 2:
     4, 4, 8, 16, 25, 25, ...). If stage 0 makes `speed` frames per frame of real time, a listener
     who starts at the first window still has audio when each window arrives, with the first
-    window's frames of generation to spare for the hand-off's jitter. A window that waited
-    (`codec_queued_windows`) takes every frame ready, up to codec_chunk_frames."""
+    window's frames of generation to spare for the hand-off's jitter. A window takes every frame
+    ready, up to codec_chunk_frames (more than its share when it was held, `codec_batch_steps`)."""
     if is_finished:
         holdback = 0
     else:
@@ -226,29 +218,31 @@ def next_window(total: int, emitted: int, first_chunk: int, settings: dict[str, 
     return end, holdback
 
 
-def growing_lookahead_window(total: int, emitted: int, holdback: int, reach: int, first_chunk: int,
+def growing_lookahead_window(total: int, emitted: int, holdback: int, lead_steps: float, first_chunk: int,
                              settings: dict[str, int], speed: float) -> tuple[int, int] | None:
     """A segment's windows after a first one with less than the full lookahead
     (`codec_ramp_min_right_holdback_frames`): (end, holdback) of the window to send now, or None.
 
-    The listener started when the first window's `reach` frames (its end plus its lookahead) were
-    made; stage 0 makes `speed` frames per frame of real time, so the listener plays until
-    `reach` + speed x `emitted` frames are made. A window leaves `first_chunk` (the first window's
-    frames) steps before that deadline, as the fixed ramp keeps the first window's frames of
-    generation in hand for the hand-off's jitter, or earlier with a full chunk ready. While the
-    lookahead is short it brings half the new frames the speed ramp would (at least the first
-    window's, fewer if fewer are made), and the frames made beyond them extend its lookahead (never
-    below the window before's): the lead's growth is split between new audio and lookahead, which
-    is back to the holdback after a few windows (a first window of 10 frames with 2 of lookahead at
-    12.5 ms a step: the fifth is exact). Then each window brings what is ready. Slower than real
-    time: the doubling ramp with the full lookahead."""
+    `lead_steps`: the audio sent beyond what a listener who started at the first window has
+    played, by stage 0's clock, in steps at the measured pace; stage 0 makes `speed` frames per
+    frame of real time. A window leaves at the last step that keeps `first_chunk` (the first
+    window's frames) steps in hand, as the fixed ramp keeps the first window's frames of generation
+    for the hand-off's jitter, or earlier with a full chunk ready. The lead is timed, not counted in
+    frames at the pace measured now: steps vary (one where a prompt joins takes about twice a plain
+    one), and a deadline in frames moves with the last few. While the lookahead is short a window
+    brings half the new frames the speed ramp would (at least the first window's, fewer if fewer
+    are made), and the frames made beyond them extend its lookahead (never below the window
+    before's): the lead's growth is split between new audio and lookahead, which is back to the
+    holdback after a few windows (a first window of 10 frames with 2 of lookahead at 12.5 ms a
+    step: the fifth is exact). Then each window brings what is ready. Slower than real time: the
+    doubling ramp with the full lookahead."""
     full, chunk = settings["codec_right_holdback_frames"], settings["codec_chunk_frames"]
     if speed <= 1:  # no window keeps a listener playing: the doubling ramp, exact (fewer, larger windows)
         return next_window(total, emitted, first_chunk, settings, False)
     if total - full - emitted >= chunk:
         return emitted + chunk, full
-    if total < reach + math.floor(speed * emitted) - first_chunk:
-        return None  # the listener has time
+    if lead_steps - 1 >= first_chunk:
+        return None  # one more step still keeps the margin
     if holdback >= full:  # at least the first window's frames: near real time, windows would shrink
         return (total - full, full) if total - full - emitted >= first_chunk else None
     end = min(emitted + min(chunk, max(first_chunk, int((speed - 1) * emitted / 2))), total - holdback)

@@ -583,23 +583,6 @@ def test_an_answer_that_had_to_speak_and_did_not_is_reported(tiny_bagpiper, long
         assert "after 40 rows" in warned[0] and str(int(tokens[0, 0])) in warned[0]
 
 
-def test_windows_wait_while_the_save_thread_is_behind(tiny_bagpiper, long_clip):
-    """The save thread 6 steps behind the gate. With `codec_queued_windows` 1 a due window waits
-    while the request's previous one is still queued, and grows meanwhile (up to a full chunk):
-    fewer windows than the fixed ramp's; both tile the clip and decode to it exactly."""
-    def windows(queued: int) -> list:
-        extra = {"initial_codec_chunk_frames": 2, "codec_queued_windows": queued}
-        payloads, _ = feed_processor(TransferManager(tiny_bagpiper, **extra), long_clip.tokens, gated=True, lag=6)
-        streamed = _decode(tiny_bagpiper, payloads)
-        assert streamed.shape == long_clip.audio.shape and float((streamed - long_clip.audio).abs().max()) < ATOL
-        return [p.codes.audio.numel() // 8 - p.meta.left_context_size - p.meta.right_holdback_size for p in payloads]
-
-    ramp, merged = windows(0), windows(1)
-    assert ramp[:6] == [2, 2, 4, 8, 16, 25] and merged[0] == 2  # the first window never waits
-    assert len(merged) < len(ramp) and max(merged) <= 25 and sum(merged) == sum(ramp)
-    print("ramp", ramp, "merged", merged)
-
-
 def test_full_windows_leave_together_every_batch_steps(tiny_bagpiper, long_clip):
     """`codec_batch_steps` 3, four answers starting one step apart: each full-chunk window waits for
     the next step that is a multiple of 3, so they reach the codec stage on a third of the steps at

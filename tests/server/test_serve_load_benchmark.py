@@ -14,20 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "chunks, buffer_s, stalled",
+    "chunks, buffer_s, stalled, first_gap",
     [
-        ([(1.0, 0.5), (1.4, 0.5), (1.9, 0.5)], 0.0, 0.0),  # each chunk before the last one plays out
-        ([(1.0, 0.5), (2.0, 0.5)], 0.0, 0.5),  # dry from 1.5 to 2.0
-        ([(1.0, 0.5), (2.0, 0.5)], 0.5, 0.0),  # a 0.5 s buffer covers it
-        ([(1.0, 0.1), (1.05, 0.1), (2.0, 0.1), (3.0, 0.1)], 0.2, 0.6 + 0.9),  # plays 1.2-1.4, dry to 2.0, plays to 2.1, dry to 3.0
-        ([], 0.0, 0.0),
+        ([(1.0, 0.5), (1.4, 0.5), (1.9, 0.5)], 0.0, 0.0, None),  # each chunk before the last one plays out
+        ([(1.0, 0.5), (2.0, 0.5)], 0.0, 0.5, 0.5),  # dry from 1.5 to 2.0
+        ([(1.0, 0.5), (2.0, 0.5)], 0.5, 0.0, 0.5),  # a 0.5 s buffer covers it
+        ([(1.0, 0.1), (1.05, 0.1), (2.0, 0.1), (3.0, 0.1)], 0.2, 0.6 + 0.9, 0.2),  # plays 1.2-1.4, dry to 2.0, plays to 2.1, dry to 3.0
+        ([], 0.0, 0.0, None),
     ],
 )
-def test_a_listener_stalls_when_its_audio_plays_out_before_the_next_chunk(chunks, buffer_s, stalled):
+def test_a_listener_stalls_when_its_audio_plays_out_before_the_next_chunk(chunks, buffer_s, stalled, first_gap):
+    """`first_gap` is the first-byte listener's: the audio it played before it first ran dry."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from serve_load import stall_s
+    from serve_load import first_gap_s, stall_s
 
     assert stall_s(chunks, buffer_s) == pytest.approx(stalled)
+    assert first_gap_s(chunks) == (None if first_gap is None else pytest.approx(first_gap))
 
 
 def test_a_text_completion_that_streams_under_two_tokens_is_an_error_and_says_so():

@@ -1,5 +1,7 @@
 """Streaming-window settings and the window rule (`vllm_omni_speechlm/streaming.py`)."""
 
+import math
+
 import pytest
 
 from vllm_omni_speechlm.streaming import (
@@ -184,31 +186,40 @@ def test_the_pacer_gives_the_ramp_its_speed_within_the_bounds_set():
             window_settings({"codec_ramp_min_speed_percent": bad})
 
 
-def _growing(pace_ms: float, jitter_ms: float, frames: int = 300) -> tuple[list[tuple[int, int]], float, int]:
+def _growing(step_ms, jitter_ms: float, frames: int = 300) -> tuple[list[tuple[int, int]], float, int, float]:
     """The ramp from a short first lookahead (2 frames) after a deployment's first window of 2: the
     first window leaves when the exact ramp's would, with 10 frames (the 8 of lookahead it frees),
-    at the speed stage 0 makes frames (`_ramped`'s listener and jitter). Returns the windows (end,
-    holdback), the listener's stall in ms and the step the first window left at."""
+    the later ones by the listener's lead as the gate times it, the step measured by the pacer.
+    `step_ms`: a stage-0 step's length, or a function of the step's index (uneven steps). Each
+    window after the first reaches the listener `jitter_ms` later than the first did. Returns the
+    windows (end, holdback), the listener's stall in ms, the step the first window left at and the
+    least lead (ms) a later window left with."""
     settings = window_settings({"initial_codec_chunk_frames": 2, "codec_ramp_min_speed_percent": 125,
                                 "codec_ramp_min_right_holdback_frames": 2})
     first, first_settings = 2 + 8, settings | {"codec_min_right_holdback_frames": 2}
-    windows, arrivals, reach, started = [], [], 0, 0
+    length = step_ms if callable(step_ms) else lambda step: step_ms
+    pacer, windows, arrivals, started, least, now = PlayoutPacer(settings, FRAME_MS), [], [], 0, math.inf, 0.0
     for step in range(frames + 50):
+        now += length(step)
+        pacer.tick(now / 1e3)
         emitted, held = windows[-1] if windows else (0, 0)
         if emitted >= frames:
             break
         total = step - 7
+        lead = plays_until - now if windows else 0.0
         window = (next_window(total, 0, first, first_settings, False) if not windows else
-                  growing_lookahead_window(total, emitted, held, reach, first, settings, FRAME_MS / pace_ms))
+                  growing_lookahead_window(total, emitted, held, lead / pacer.pace_ms, first, settings, pacer.speed))
         if window is not None:
-            reach, started = (sum(window), step) if not windows else (reach, started)
-            arrivals.append((step * pace_ms + (jitter_ms if windows else 0.0), window[0] - emitted))
+            started, least = (step, least) if not windows else (started, min(least, lead))
+            plays_until = max(plays_until, now) if windows else now
+            plays_until += (window[0] - emitted) * FRAME_MS
+            arrivals.append((now + (jitter_ms if windows else 0.0), window[0] - emitted))
             windows.append(window)
     stall, plays_until = 0.0, arrivals[0][0]
     for arrives, size in arrivals:
         stall += max(0.0, arrives - plays_until)
         plays_until = max(plays_until, arrives) + size * FRAME_MS
-    return windows, stall, started
+    return windows, stall, started, least
 
 
 @pytest.mark.parametrize("pace_ms", [8.0, 10.5, 12.5, 15.5])
@@ -217,8 +228,9 @@ def test_a_ramp_from_a_short_lookahead_keeps_a_listener_playing_and_grows_it_bac
     would, with 10 frames; the windows after it keep the listener playing through 8 steps of
     hand-off jitter (the exact ramp: not 3) while their lookahead grows back to the full one, never
     shrinking; after that every window is exact."""
-    windows, stall, started = _growing(pace_ms, jitter_ms=8 * pace_ms)
+    windows, stall, started, least = _growing(pace_ms, jitter_ms=8 * pace_ms)
     assert stall == 0.0 and started == 7 + 2 + 10 and windows[0] == (10, 2)
+    assert least >= 10 * pace_ms
     assert _ramped(pace_ms, jitter_ms=3 * pace_ms, speed=FRAME_MS / pace_ms)[1] > 0
     holdbacks = [h for _, h in windows]
     assert holdbacks == sorted(holdbacks) and holdbacks[-1] == 10
@@ -226,10 +238,24 @@ def test_a_ramp_from_a_short_lookahead_keeps_a_listener_playing_and_grows_it_bac
     assert [e for e, _ in windows] == sorted(set(e for e, _ in windows)) and windows[-1][0] >= 300
 
 
+def test_the_margin_is_kept_in_time_when_the_step_changes():
+    """Steps of 16 ms from the first window on (a wave of prompts joining), then of 8: the windows
+    leave by the listener's lead on the clock, each with its 10 steps (at the pace measured) in
+    hand, and the listener plays through 60 ms of hand-off jitter. A deadline counted in frames
+    at the pace measured at the time assumed the 8 ms steps all along and left a window with 12
+    ms in hand."""
+    def waved(step: int) -> float:
+        return 16.0 if 19 <= step < 45 else 8.0
+
+    windows, stall, started, least = _growing(waved, jitter_ms=60.0)
+    assert stall == 0.0 and started == 19 and windows[0] == (10, 2) and least >= 10 * 8.0
+    assert _growing(waved, jitter_ms=120.0)[1] > 0
+
+
 def test_slower_than_real_time_a_short_lookahead_ramp_doubles_exactly():
     """Stage 0 slower than real time: no window keeps a listener playing, so the windows after the
     first are the doubling ramp's, with the full lookahead (fewer, larger windows)."""
-    windows, _, _ = _growing(25.0, jitter_ms=0.0)
+    windows, *_ = _growing(25.0, jitter_ms=0.0)
     assert [h for _, h in windows[1:]] == [10] * (len(windows) - 1)
     assert [b - a for (a, _), (b, _) in zip(windows, windows[1:4])] == [10, 20, 25]
 

@@ -41,7 +41,6 @@ main's token for both).
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -60,7 +59,7 @@ from vllm_omni_speechlm.frames import StepOutputs
 from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
-from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk, windows_taken
+from vllm_omni_speechlm.stage_input_processors.speech_codec import chunk_settings, speechlm2codec_async_chunk
 from vllm_omni_speechlm.streaming import SCHEDULER_THREAD_KEY
 
 logger = init_logger(__name__)
@@ -106,7 +105,7 @@ class _PairedCFGMixin:
         `codec_windows_on_scheduler_thread` the window is cut and written on this thread."""
         if adapter.custom_process_next_stage_input_func is speechlm2codec_async_chunk:
             settings = chunk_settings(adapter)
-            self._gate = WindowGate(self.speech, settings, taken=functools.partial(windows_taken, adapter))
+            self._gate = WindowGate(self.speech, settings)
             logger.info("stage-0 chunk sends: only window-completing steps reach the adapter (WindowGate)")
             if settings[SCHEDULER_THREAD_KEY]:
                 self._drain_sends = send_on_calling_thread(adapter)

@@ -58,13 +58,11 @@ class _GateState:
     wants_audio: bool  # the answer's modality enforces an audio segment
     to_codec: bool  # a codec stage takes the request (streaming.TO_CODEC_KEY)
     spoke: bool = False  # an audio row was seen (parallel rules: `audio` restarts at each segment)
-    handed: int = 0  # windows the gate decided and handed over
     emitted: int = 0  # frames of the current audio segment sent as new audio (mirrors the processor's count)
     holdback: int = 0  # the last window's lookahead
     paced: bool = False  # the segment's windows are paced (decided at its first window)
     growing: bool = False  # ramped from a short first lookahead (`streaming.growing_lookahead_window`)
-    reach: int = 0  # the frames made when the segment's first window could leave (its end + lookahead)
-    plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (pacer)
+    plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (paced, growing)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
     pending: list[torch.Tensor] = field(default_factory=list)  # the steps' frames not handed over yet, as they came
     unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
@@ -73,11 +71,8 @@ class _GateState:
 class WindowGate:
     """Per request, the step rows not handed to the adapter yet (module docstring)."""
 
-    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int], clock: Callable[[], float] = time.monotonic,
-                 taken: Callable[[str], int] | None = None) -> None:
-        """`taken(ext_id)`: the request's windows the processor has taken so far (with
-        `codec_queued_windows`: the rest still wait on the save thread)."""
-        self.cfg, self.settings, self.clock, self.taken = cfg, settings, clock, taken
+    def __init__(self, cfg: SpeechLMConfig, settings: dict[str, int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.settings, self.clock = cfg, settings, clock
         self._open: dict[str, _GateState] = {}
         self._streams = 0  # open requests a codec stage takes
         self._steps = 0  # stage-0 steps ticked (`codec_batch_steps`)
@@ -86,7 +81,6 @@ class WindowGate:
         # The pacer measures the step too, for a ramp that follows it (`codec_ramp_min_speed_percent`).
         measured = paced or settings[RAMP_SPEED_KEY] > 0
         self.pacer = PlayoutPacer(settings, 1e3 / cfg.codec.frame_rate) if measured else None
-        self._clocked = paced  # the fixed ramp reads no clock per offer
         self._speed = DOUBLING  # the fixed ramp's, set once per step
         # With a pacer, the first lookahead is for paced segments: a ramped one's second window
         # would wait for the full lookahead while the listener plays the first, unless the ramp
@@ -96,6 +90,8 @@ class WindowGate:
         short = settings[RAMP_MIN_HOLDBACK_KEY]
         self._short = settings | {MIN_HOLDBACK_KEY: short} if short < full else None
         self._ramp = self._exact
+        # Paced and growing segments time their listener; the fixed ramp reads no clock per offer.
+        self._clocked = paced or self._short is not None
         # Parallel rules: a row is audio iff its stream 0 is a codec code.
         s0 = cfg.streams[0]
         self._codes = range(s0.vocab_start, s0.vocab_end) if cfg.decoding.parallel_segments else None
@@ -148,7 +144,7 @@ class WindowGate:
             state.audio += int(audio_rows(new, self.cfg).sum())
             state.unclassified = 0
         window = self._due(state, state.audio, now)
-        if window is None or self._held(ext_id, state, window):
+        if window is None or self._held(state, window):
             return False, None
         if state.emitted == 0:
             window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
@@ -156,25 +152,18 @@ class WindowGate:
         self.handed_total += 1
         return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
-    def _held(self, ext_id: str, state: _GateState, window: tuple[int, int]) -> bool:
-        """Whether a due window (not a segment's first) waits: a full chunk until a step that is a
-        multiple of `codec_batch_steps` (the answers' full windows leave together); a shorter one
-        while `codec_queued_windows` of the request's windows are still on the save thread (it
-        grows meanwhile: fewer, larger windows while the save thread is behind)."""
-        if not state.emitted:
+    def _held(self, state: _GateState, window: tuple[int, int]) -> bool:
+        """Whether a due full chunk (not a segment's first window) waits for a step that is a
+        multiple of `codec_batch_steps`: the answers' full windows leave together."""
+        if not state.emitted or window[0] - state.emitted < self.settings["codec_chunk_frames"]:
             return False
-        if window[0] - state.emitted >= self.settings["codec_chunk_frames"]:
-            return self._steps % max(self.settings["codec_batch_steps"], 1) != 0
-        limit = self.settings["codec_queued_windows"]
-        return bool(limit) and self.taken is not None and state.handed - self.taken(ext_id) >= limit
+        return self._steps % max(self.settings["codec_batch_steps"], 1) != 0
 
     def _sent(self, state: _GateState, window: tuple[int, int], now: float) -> None:
-        state.handed += 1
         if not state.emitted:
             state.paced = self._paces()
-            state.reach = window[0] + window[1]
             state.growing = not state.paced and self._ramp is self._short  # its first window took the short lookahead
-        if state.paced:  # the listener plays from the first window, pausing when dry
+        if state.paced or state.growing:  # the listener plays from the first window, pausing when dry
             state.plays_until = max(state.plays_until, now) + (window[0] - state.emitted) * self.pacer.frame_ms / 1e3
         state.emitted, state.holdback = window
 
@@ -227,7 +216,8 @@ class WindowGate:
         # A short first lookahead leaves when the exact one would: the frames it frees are audio,
         # a lead for the hand-off's jitter (the growing ramp keeps that many steps in hand).
         if state.growing:
-            return growing_lookahead_window(total, state.emitted, state.holdback, state.reach,
+            lead_steps = (state.plays_until - now) * 1e3 / self.pacer.pace_ms
+            return growing_lookahead_window(total, state.emitted, state.holdback, lead_steps,
                                             ramp_first_chunk(first, self.settings), self.settings,
                                             self.pacer.speed or DOUBLING)
         if state.emitted or not self._paces():

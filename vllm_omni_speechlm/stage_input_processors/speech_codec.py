@@ -54,9 +54,6 @@ from vllm_omni_speechlm.resample import RATE_KEY, requested_rate
 from vllm_omni_speechlm.streaming import WINDOW_KEY, first_window, next_window, window_settings
 from vllm_omni_speechlm.window_trace import stamp
 
-TAKEN_KEY = "gate_windows_taken"
-
-
 @functools.lru_cache(maxsize=8)
 def _layout(model_dir: str) -> SpeechLMConfig:
     """The checkpoint's stream layout (immutable, shared by all requests)."""
@@ -82,14 +79,7 @@ def _new_state(request: Any, settings: dict[str, int]) -> dict[str, int]:
     # emitted: frames of the current audio segment already sent as new audio; base: index in the
     # segment of the first buffered row; rate: the output rate asked for (0: the codec's).
     info = deserialize_additional_information(getattr(request, "additional_information", None))
-    return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings), "rate": requested_rate(info, 0),
-            TAKEN_KEY: 0}
-
-
-def windows_taken(transfer_manager: Any, ext_id: str) -> int:
-    """The gate's windows of a request this processor has taken off the save thread's queue (the
-    scheduler's thread reads what the save thread writes: one int)."""
-    return transfer_manager.request_payload.get(ext_id, {}).get(TAKEN_KEY, 0)
+    return {"emitted": 0, "base": 0, "first_chunk": first_window(info, settings), "rate": requested_rate(info, 0)}
 
 
 def _buffer_segment_rows(blocks: list[np.ndarray], state: dict[str, int], multimodal_output: Any,
@@ -133,7 +123,6 @@ def speechlm2codec_async_chunk(
     if state is None:
         state = transfer_manager.request_payload[ext_id] = _new_state(request, settings)
     gated = isinstance(multimodal_output, dict) and WINDOW_KEY in multimodal_output
-    state[TAKEN_KEY] += gated  # read by the gate (`windows_taken`); counted before anything can fail
     ended = _buffer_segment_rows(blocks, state, multimodal_output, cfg)
     flush = is_finished or ended
     decided = multimodal_output[WINDOW_KEY] if gated and not flush else None
