@@ -75,3 +75,44 @@ def test_a_wire_tensor_decodes_as_the_serializer_own_tensor():
     ours = OmniSerializer.deserialize(OmniSerializer.serialize(compat.wire_tensor(array[:, 1:])))
     stock = OmniSerializer.deserialize(OmniSerializer.serialize(torch.from_numpy(array[:, 1:].copy())))
     assert isinstance(ours, torch.Tensor) and ours.dtype == stock.dtype and torch.equal(ours, stock)
+
+
+def test_a_key_polled_in_vain_is_opened_again_only_once_listed(monkeypatch):
+    """The receive loop polls a request's next key every pass until its window comes: after one
+    miss the key is looked up in a listing of /dev/shm, and opened only once the listing shows it.
+    A key's first read always opens it, however old the listing."""
+    from vllm_omni_speechlm import connector
+
+    monkeypatch.setattr(connector, "LISTING_MAX_AGE_S", 3600.0)  # the listing never ages here
+    sender, reader = WindowConnector({"stage_id": 0}), WindowConnector({"stage_id": 1})
+    prefix = f"poll-{uuid.uuid4().hex}"
+    polled, told = f"{prefix}_0", f"{prefix}_1"
+    assert reader.get("0", "1", polled) is None and reader.get("0", "1", polled) is None  # the second: listed
+    for key in (polled, told):
+        assert sender.put("0", "1", key, _window(np.arange(8, dtype=np.int64), False))[0]
+    first, _ = reader.get("0", "1", told)  # never polled: opened though the listing predates it
+    assert commit_received(first).request.prompt_token_ids == list(range(8))
+    assert reader.get("0", "1", polled) is None  # polled before, not in the listing taken before the put
+    reader._listed_at = float("-inf")  # the listing ages
+    again, _ = reader.get("0", "1", polled)
+    assert commit_received(again).request.prompt_token_ids == list(range(8))
+    assert polled not in reader._missed and not os.path.exists(f"/dev/shm/{polled}")
+    sender.close()
+
+
+def test_the_receive_pass_benchmark_times_both_connectors_idle_and_busy(tmp_path, monkeypatch):
+    """`benchmarks/recv_poll.py` runs and reports a pass per connector and load (times not judged)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import recv_poll
+
+    out = tmp_path / "recv_poll.json"
+    monkeypatch.setattr(sys, "argv", ["recv_poll.py", "--out", str(out), "--waiting", "3", "--repeats", "2"])
+    recv_poll.main()
+    row = json.loads(out.read_text())["pass_ms"]["3"]
+    assert set(row) == {f"{c}, {load}" for c in ("stock", "window") for load in ("idle", "busy")}
+    assert all(ms > 0 for ms in row.values())
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("recv-poll-")]
