@@ -11,7 +11,7 @@ Stage 1 reads them on the adapter's receive thread, which tries every waiting re
 once per pass; `get` opens the segment, and until the window is there each open fails, a system
 call that hands stage 1's interpreter lock over. While stage 1's main thread runs Python the
 receive thread then waits up to a switch interval (5 ms) for the lock, per key: on the development
-CPU, beside a busy thread, a pass over 96 waiting keys took 154 ms.
+CPU, beside a busy thread, a pass over 96 waiting keys took 180 ms (`benchmarks/recv_poll.py`).
 
 `WindowConnector` sweeps `REAP_PER_PUT` keys per put (each put adds one key, so the pending keys
 stay a few times the windows in flight), sends the flags as bools, and opens a key it polled
