@@ -6,8 +6,8 @@ thread between its forwards).
 
 No model and no GPU: the stock `SharedMemoryConnector` and this project's `WindowConnector` read
 keys by name (as the adapter does) whose windows have not come yet, each key polled once before
-(the loop polls every pass), the passes a back-off apart. Per count of waiting keys, each connector's median pass in ms, with
-that thread idle and busy. Prints and saves JSON.
+(the loop polls every pass), the passes a back-off apart. Per count of waiting keys, each
+connector's median pass in ms, with that thread idle and busy. Prints and saves JSON.
 """
 
 from __future__ import annotations

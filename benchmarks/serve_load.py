@@ -101,27 +101,26 @@ def dummy_weights_deploy(name: str, out: Path, overrides: list[str] = ()) -> str
 # ---- one listener -------------------------------------------------------------------------
 
 
-def stall_s(chunks: list[tuple[float, float]], buffer_s: float) -> float:
-    """Seconds a listener has nothing to play. `chunks`: (arrival time, audio seconds) in order;
-    playback starts `buffer_s` after the first chunk and pauses whenever it runs dry."""
-    stalled, plays_until = 0.0, chunks[0][0] + buffer_s if chunks else 0.0
+def _gaps(chunks: list[tuple[float, float]], buffer_s: float):
+    """(audio seconds played before it, its seconds) per gap of a listener who starts `buffer_s`
+    after the first chunk and pauses whenever it runs dry. `chunks`: (arrival time, audio seconds)."""
+    plays_until, played = chunks[0][0] + buffer_s if chunks else 0.0, 0.0
     for at, seconds in chunks:
         if at > plays_until:
-            stalled += at - plays_until
+            yield played, at - plays_until
             plays_until = at
         plays_until += seconds
-    return stalled
+        played += seconds
+
+
+def stall_s(chunks: list[tuple[float, float]], buffer_s: float) -> float:
+    """Seconds a listener has nothing to play (`_gaps`)."""
+    return sum(gap for _, gap in _gaps(chunks, buffer_s))
 
 
 def first_gap_s(chunks: list[tuple[float, float]]) -> float | None:
     """Audio seconds a listener who starts at the first byte played before its first gap (None: no gap)."""
-    plays_until, played = chunks[0][0] if chunks else 0.0, 0.0
-    for at, seconds in chunks:
-        if at - plays_until >= STALL_FREE_S:
-            return played
-        plays_until = max(plays_until, at) + seconds
-        played += seconds
-    return None
+    return next((played for played, gap in _gaps(chunks, 0.0) if gap >= STALL_FREE_S), None)
 
 
 def _sse_audio(line: str) -> bytes:

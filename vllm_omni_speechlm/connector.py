@@ -64,12 +64,12 @@ class WindowConnector(SharedMemoryConnector):
         if by_name and get_key in self._missed and get_key not in self._listed():
             return None
         result = super().get(from_stage, to_stage, get_key, metadata)
-        if by_name and result is None:
+        if by_name and result is not None:
+            self._missed.discard(get_key)
+        elif by_name:
             if len(self._missed) >= MAX_MISSED:
                 self._missed.clear()
             self._missed.add(get_key)
-        elif by_name:
-            self._missed.discard(get_key)
         return result
 
     def _listed(self) -> frozenset[str]:
