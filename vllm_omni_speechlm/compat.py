@@ -18,6 +18,7 @@ import importlib
 import inspect
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -111,9 +112,11 @@ HOOKS = (
     Hook(_ADAPTER, "save_async", "override", "self, multimodal_output=None, request=None, is_segment_finished=False, "
          "new_token_ids=None, confirmed_num_computed_tokens=None, segment_generation=None, force_request_finished=False"),
     Hook(_ADAPTER, "cleanup_sender", "call", "self, external_req_id"),  # frees the processor's state below
-    # send_on_calling_thread: the save loop sends while its queue is truthy; the queue and one send
+    # send_on_calling_thread: the save loop sends while its queue is truthy and waits on its
+    # condition (woken per queued task); the queue, the condition and one send
     Hook(_ADAPTER, "save_loop", "relied", "self"),
     Hook(_ADAPTER, "_pending_save_reqs", "attribute"),
+    Hook(_ADAPTER, "_save_cond", "attribute"),
     Hook(_ADAPTER, "_send_single_request", "call", "self, task"),
     Hook(_ADAPTER, "record_send_failure", "call", "self, request_id, reason"),
     Hook(_ADAPTER, "custom_process_next_stage_input_func", "attribute"),
@@ -361,15 +364,25 @@ class _CallerSends:
         return 0
 
 
+class _Unwoken(threading.Condition):
+    """The save thread's condition once nothing is sent there: a queued task (`notify`) does not
+    wake it, shutdown (`notify_all`) still does."""
+
+    def notify(self, n: int = 1) -> None:
+        pass
+
+
 def send_on_calling_thread(adapter: Any) -> Callable[[], None]:
     """Make the chunk adapter's sends (the processor's cut and the connector's put of a window, the
     unlinking of an aborted request's windows) run on the thread that queues them: after each
     `save_async`, and whenever the returned `drain` is called. Its save thread then only reaps
-    consumed keys. vllm-omni sends on that thread to keep the connector's I/O off the scheduler's,
-    but in stage 0's process the two share the interpreter lock, and each of a send's system calls
-    hands the lock over and waits to get it back."""
+    consumed keys on its own timeout. vllm-omni sends on that thread to keep the connector's I/O
+    off the scheduler's, but in stage 0's process the two share the interpreter lock, and each of a
+    send's system calls hands the lock over and waits to get it back; woken for every window, the
+    thread would take the lock for its reap's system calls in the middle of the scheduler's step."""
     held = _CallerSends()
     adapter._pending_save_reqs = held
+    adapter._save_cond = _Unwoken()
     queue = adapter.save_async
 
     def drain() -> None:

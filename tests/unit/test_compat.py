@@ -343,6 +343,28 @@ def test_the_adapters_own_save_thread_sends_unless_told_otherwise():
         adapter.shutdown()
 
 
+def test_queued_sends_do_not_wake_the_save_thread_and_shutdown_still_stops_it():
+    """After `send_on_calling_thread` the save thread wakes on its own timeout only (its reap runs
+    ~10 times a second, not once per window), and shutdown still ends it at once."""
+    adapter = _adapter()
+    reaps = []
+    adapter.connector = SimpleNamespace(reap_consumed=lambda: reaps.append(time.monotonic()), close=lambda: None)
+    try:
+        time.sleep(0.15)  # the loop is waiting on the condition it was built with
+        compat.send_on_calling_thread(adapter)
+        time.sleep(0.15)  # ... and now on the new one
+        before, started = len(reaps), time.monotonic()
+        for i in range(200):
+            adapter.save_async(_task(f"w{i}"))
+            time.sleep(0.001)
+        woken = len(reaps) - before
+        assert len(adapter.sent) == 200 and woken <= (time.monotonic() - started) / 0.1 + 2
+    finally:
+        adapter.shutdown()
+    adapter.save_thread.join(timeout=1.0)
+    assert not adapter.save_thread.is_alive()
+
+
 def test_sends_run_on_the_thread_that_queues_them_in_order():
     """After `send_on_calling_thread`: each `save_async` sends on the caller's thread before it
     returns; a task queued outside it (an abort's unlinking) waits for `drain`; a send that fails

@@ -56,6 +56,31 @@ def test_the_sweep_keeps_pending_keys_few_and_every_unread_window_tracked():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix) or n.startswith(f"shm_{prefix}")]
 
 
+def test_a_put_replaces_a_stale_segment_and_leaves_only_the_segment_and_its_lock(monkeypatch):
+    """The segment is written whole under a name of its own and renamed into place: a stale segment
+    of the same key is replaced, and the stock reader reads the new one; a put that fails on the
+    way leaves no partial file and reports the failure (the adapter records the send as failed)."""
+    from vllm_omni_speechlm import connector
+
+    sender, reader = WindowConnector({"stage_id": 0}), SharedMemoryConnector({"stage_id": 1})
+    key = f"pub-{uuid.uuid4().hex}"
+    connector.publish(key, b"stale bytes of an earlier window")
+    assert sender.put("0", "1", key, _window(np.arange(6, dtype=np.int64), False))[0]
+    assert sorted(n for n in os.listdir("/dev/shm") if key in n) == [key, f"shm_{key}_lockfile.lock"]
+    wire, _ = reader.get("0", "1", key)
+    assert commit_received(wire).request.prompt_token_ids == list(range(6))
+    assert not [n for n in os.listdir("/dev/shm") if key in n]  # the reader took the segment and its lock
+
+    def no_rename(src, dst):
+        raise OSError("no space left")
+
+    monkeypatch.setattr(connector.os, "replace", no_rename)
+    assert sender.put("0", "1", key, _window(np.arange(6, dtype=np.int64), False)) == (False, 0, None)
+    assert not [n for n in os.listdir("/dev/shm") if key in n]
+    monkeypatch.undo()
+    sender.close()
+
+
 def test_the_plugin_registers_the_connector_by_its_deploy_name():
     from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
     from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
@@ -116,3 +141,23 @@ def test_the_receive_pass_benchmark_times_both_connectors_idle_and_busy(tmp_path
     assert set(row) == {f"{c}, {load}" for c in ("stock", "window") for load in ("idle", "busy")}
     assert all(ms > 0 for ms in row.values())
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("recv-poll-")]
+
+
+def test_the_hand_off_benchmark_reports_the_update_with_and_without_windows(tmp_path, monkeypatch):
+    """`benchmarks/window_handoff.py` runs stage 0's scheduler with the shipped window settings and
+    without a codec stage, hands windows over, and leaves no segment behind (times not judged)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import window_handoff
+
+    out = tmp_path / "handoff.json"
+    monkeypatch.setattr(sys, "argv", ["window_handoff.py", "--out", str(out), "--concurrency", "3", "--gen-len", "60",
+                                      "--step-ms", "1", "--repeats", "1"])
+    window_handoff.main()
+    row = json.loads(out.read_text())["results"]["3"]
+    assert row["no_codec_stage"]["windows_per_step"] == 0 and row["windows"]["windows_per_step"] > 0
+    assert row["windows"]["update_us_mean"] > 0 and row["no_codec_stage"]["update_us_mean"] > 0
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("handoff-") or n.startswith("shm_handoff-")]
