@@ -77,6 +77,7 @@ class WindowGate:
         self._streams = 0  # open requests a codec stage takes
         self._steps = 0  # stage-0 steps ticked (`codec_batch_steps`)
         self.handed_total = 0  # payloads handed over so far (window_trace's step lines)
+        self._first = first_window({}, settings)  # the deployment's first window
         paced = settings["codec_playout_margin_steps"] > 0
         # The pacer measures the step too, for a ramp that follows it (`codec_ramp_min_speed_percent`).
         measured = paced or settings[RAMP_SPEED_KEY] > 0
@@ -212,7 +213,7 @@ class WindowGate:
         total = num_complete_frames(num_audio_rows, self.cfg.num_streams)
         if state.paced:
             return self.pacer.window(total, state.emitted, state.holdback, (state.plays_until - now) * 1e3)
-        first = state.own_first_chunk or first_window({}, self.settings)
+        first = state.own_first_chunk or self._first
         # A short first lookahead leaves when the exact one would: the frames it frees are audio,
         # a lead for the hand-off's jitter (the growing ramp keeps that many steps in hand).
         if state.growing:
