@@ -117,6 +117,7 @@ HOOKS = (
     Hook(_ADAPTER, "save_loop", "relied", "self"),
     Hook(_ADAPTER, "_pending_save_reqs", "attribute"),
     Hook(_ADAPTER, "_save_cond", "attribute"),
+    Hook(_ADAPTER, "_snapshot_processor_request", "override", "request"),  # the copy for a later send
     Hook(_ADAPTER, "_send_single_request", "call", "self, task"),
     Hook(_ADAPTER, "record_send_failure", "call", "self, request_id, reason"),
     Hook(_ADAPTER, "custom_process_next_stage_input_func", "attribute"),
@@ -379,10 +380,13 @@ def send_on_calling_thread(adapter: Any) -> Callable[[], None]:
     consumed keys on its own timeout. vllm-omni sends on that thread to keep the connector's I/O
     off the scheduler's, but in stage 0's process the two share the interpreter lock, and each of a
     send's system calls hands the lock over and waits to get it back; woken for every window, the
-    thread would take the lock for its reap's system calls in the middle of the scheduler's step."""
+    thread would take the lock for its reap's system calls in the middle of the scheduler's step.
+    Nor is the request copied for the processor (its token lists, its prompt element by element):
+    the processor reads it before the scheduler changes it."""
     held = _CallerSends()
     adapter._pending_save_reqs = held
     adapter._save_cond = _Unwoken()
+    adapter._snapshot_processor_request = lambda request: request  # sent before the request changes
     queue = adapter.save_async
 
     def drain() -> None:

@@ -373,6 +373,8 @@ def test_sends_run_on_the_thread_that_queues_them_in_order():
     adapter = _adapter()
     try:
         drain = compat.send_on_calling_thread(adapter)
+        request = SimpleNamespace(output_token_ids=[1, 2])
+        assert adapter._snapshot_processor_request(request) is request  # sent at once: no copy for later
         adapter.save_async(_task("a"))
         assert adapter.sent == [("a", threading.get_ident())]
         adapter._pending_save_reqs.append(_task("cleanup"))
