@@ -15,6 +15,7 @@ its text range. How audio starts and ends (delay warm-up, minimum length, drain)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -306,7 +307,7 @@ class SpeechLMConfig:
     def codec_end(self) -> int:
         return self.codec_start + sum(self.stream_sizes)
 
-    @property
+    @functools.cached_property  # read per window on stage 0's hot path; the layout never changes
     def streams(self) -> tuple[StreamSpec, ...]:
         specs, start = [], self.codec_start
         shift = 1 if self.stream_pad_slot else 0
