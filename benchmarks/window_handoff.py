@@ -57,7 +57,7 @@ def _read_windows(prefix: str, stop) -> None:
         time.sleep(0.002)
 
 
-def _streaming(vllm_config, prefix: str) -> None:
+def _streaming(vllm_config) -> None:
     """Give stage 0's model config the async_chunk settings a streaming deploy gives it."""
     deploy = yaml.safe_load(Path(stage_configs.path("bagpiper_streaming.yaml")).read_text())
     extra = deploy["connectors"]["shm"]["extra"]
@@ -79,12 +79,16 @@ def _runner_output(scheduler, ids: list[str], generator: torch.Generator):
     return output
 
 
+def _handed(scheduler) -> int:
+    return scheduler._gate.handed_total if scheduler._gate is not None else 0
+
+
 def _run(model_dir: str, n: int, streaming: bool, args) -> dict:
     gc.collect()
     vllm_config = _vllm_config(model_dir, args)
     prefix = f"handoff-{uuid.uuid4().hex[:8]}-"
     if streaming:
-        _streaming(vllm_config, prefix)
+        _streaming(vllm_config)
     scheduler = _scheduler(PairedCFGAsyncScheduler, vllm_config)
     for i in range(n):
         params = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
@@ -93,17 +97,16 @@ def _run(model_dir: str, n: int, streaming: bool, args) -> dict:
                                           pooling_params=None, arrival_time=time.time()))
     generator = torch.Generator().manual_seed(0)
     update_us, handed, in_flight = [], [], []
-    handed_total = lambda: scheduler._gate.handed_total if scheduler._gate is not None else 0  # noqa: E731
     while scheduler.has_unfinished_requests() or in_flight:
         if scheduler.has_unfinished_requests():
             in_flight.append(scheduler.schedule())
         if len(in_flight) == 2 or not scheduler.has_unfinished_requests():
             output = in_flight.pop(0)
             runner_output = _runner_output(scheduler, list(output.num_scheduled_tokens), generator)
-            before, start = handed_total(), time.perf_counter()
+            before, start = _handed(scheduler), time.perf_counter()
             scheduler.update_from_output(output, runner_output)
             update_us.append((time.perf_counter() - start) * 1e6)
-            handed.append(handed_total() - before)
+            handed.append(_handed(scheduler) - before)
             time.sleep(args.step_ms / 1e3)  # the step's GPU time, as the gate's pacer measures it
     window = slice(2, args.gen_len - 2)  # the decode steps with every request running
     result = {"update_us_mean": statistics.fmean(update_us[window]), "update_us_p50": statistics.median(update_us[window]),
