@@ -69,7 +69,7 @@ def _streaming(vllm_config) -> None:
 
 def _runner_output(scheduler, ids: list[str], generator: torch.Generator):
     """One frame per row, every stream a code of its own range (stream 0's is the sampled token)."""
-    streams = scheduler.speech.streams[: scheduler.speech.num_streams]
+    streams = scheduler.speech.streams
     host = torch.stack([torch.randint(s.vocab_start + 1, s.vocab_end, (len(ids),), generator=generator) for s in streams], 1)
     frames = FrameRows(host, [True] * len(ids))
     output = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},

@@ -135,11 +135,15 @@ HOOKS = (
     Hook(_ADAPTER, "get_req_chunk", "attribute"),
     Hook(_ADAPTER, "_poll_single_request", "relied", "self, entry"),  # window_key
     Hook(_SHM, "get", "call", "self, from_stage, to_stage, get_key, metadata=None"),
-    # the window connector (connector.py): a cheaper sweep, flags as bools
+    # the window connector (connector.py): a cheaper sweep, flags as bools, its own segment write
+    # in the layout the stock read opens (segment by key, lock file beside it)
     Hook(_SHM, "put", "override", "self, from_stage, to_stage, put_key, data"),
     Hook(_SHM, "reap_consumed", "override", "self"),
     Hook(_SHM, "_pending_keys", "attribute"),
     Hook(_SHM, "_pending_keys_lock", "attribute"),
+    Hook(_SHM, "_metrics", "attribute"),
+    Hook(_SHM, "serialize_obj", "call", "obj"),
+    Hook(_SHM, "_get_by_key", "relied", "self, get_key"),
     # wire_tensor: a tensor as vllm-omni's serializer writes it, decoded by its receiving end
     Hook(_SERIAL, "_TENSOR_MARKER", "attribute"),
     Hook(_SERIAL + ":OmniMsgpackDecoder", "_decode_tensor", "relied", "self, obj"),
