@@ -353,6 +353,7 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
     from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
     from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.frames import FrameRows
     from vllm_omni_speechlm.resample import RATE_KEY
     from vllm_omni_speechlm.stage0.window_gate import WindowGate
     from vllm_omni_speechlm.stage_input_processors import speech_codec
@@ -368,9 +369,13 @@ def feed_processor(tm: TransferManager, tokens, *, gated: bool = False, req_id: 
         now[0] += step_s
         finished, output = i == len(tokens) - 1, {"codes": {"audio": row[None]}}  # as the adapter passes it
         request.output_token_ids.append(int(row[0]))  # vLLM's request holds the step's token by then
-        if gate is not None:  # the scheduler's payload has flat keys; the adapter unflattens them
+        if gate is not None:  # as the scheduler offers a step: a running request's frames at once
             gate.tick()
-            hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
+            if finished:  # the scheduler's payload has flat keys; the adapter unflattens them
+                hand_over, output = gate.offer(request, {"codes.audio": row[None]}, finished)
+            else:
+                handed = gate.offer_step(FrameRows(row[None], [True]), [(request, 0)])
+                hand_over, output = bool(handed), handed[0][1] if handed else None
             if not hand_over:
                 continue
         calls += 1

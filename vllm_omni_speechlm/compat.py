@@ -339,10 +339,11 @@ def position_limit(model_config: Any) -> int:
 # ---- run-time changes: the chunk adapter, the CPU worker, the API routes -------------------------
 
 
-def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool, Any]]) -> None:
+def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool, Any]]) -> Callable[..., Any]:
     """Route each step a scheduler hands the chunk adapter (`save_async`) through `offer(request,
-    payload, finished) -> (send now, payload to send)`. vllm-omni's scheduler calls `save_async`
-    for every request of every step and has no hook for which steps to send."""
+    payload, finished) -> (send now, payload to send)`; return the ungated `save_async`.
+    vllm-omni's scheduler calls `save_async` for every request of every step and has no hook for
+    which steps to send."""
     send = adapter.save_async
 
     def save_async(multimodal_output: Any = None, request: Any = None, is_segment_finished: bool = False, **kw: Any) -> Any:
@@ -353,6 +354,7 @@ def gate_chunk_sends(adapter: Any, offer: Callable[[Any, Any, bool], tuple[bool,
         return send(payload, request, is_segment_finished, **kw) if hand_over else None
 
     adapter.save_async = save_async
+    return send
 
 
 class _CallerSends:

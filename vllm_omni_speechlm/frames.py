@@ -70,7 +70,7 @@ class InterStageRows(Sequence):
     def __init__(self, frames: FrameRows, payloads: Sequence[dict | None] | None = None):
         """`payloads` None: every row's payload is its frames alone (what vllm-omni builds when
         they are the step's only output), without one built per row."""
-        self.frames = frames
+        self.frames, self.frames_only = frames, payloads is None
         if payloads is None:
             self._rest, self._framed = [{}] * len(frames.samples), [True] * len(frames.samples)
         else:

@@ -299,10 +299,12 @@ def _decode(tiny_bagpiper, payloads) -> torch.Tensor:
         return torch.cat(stage.decode_windows(windows, infos))
 
 
-def _gate_windows(gate, tokens, starts, before_step=lambda: None) -> dict[str, list]:
+def _gate_windows(gate, tokens, starts, before_step=lambda: None, per_row: bool = False) -> dict[str, list]:
     """Answers "a0", "a1", ... through the scheduler's `gate`, answer i offering row r of `tokens`
-    at step starts[i] + r + 1, never finished (`before_step` runs first in each step) -> each
-    answer's [(step, (end, holdback))] windows. The answers are closed in the gate afterwards."""
+    at step starts[i] + r + 1, never finished (`before_step` runs first in each step); each step's
+    rows at once as the scheduler offers them (`offer_step`), or one by one (`per_row`) -> each
+    answer's [(step, (end, holdback), codes)] windows. The answers are closed in the gate afterwards."""
+    from vllm_omni_speechlm.frames import FrameRows
     from vllm_omni_speechlm.streaming import WINDOW_KEY
 
     answers = [SimpleNamespace(external_req_id=f"a{i}", additional_information=None, output_token_ids=[])
@@ -311,14 +313,18 @@ def _gate_windows(gate, tokens, starts, before_step=lambda: None) -> dict[str, l
     for step in range(1, len(tokens) + max(starts) + 1):
         before_step()
         gate.tick()
-        for answer, start in zip(answers, starts):
-            row = step - 1 - start
-            if not 0 <= row < len(tokens):
-                continue
+        live = [(answer, step - 1 - start) for answer, start in zip(answers, starts) if 0 <= step - 1 - start < len(tokens)]
+        for answer, row in live:
             answer.output_token_ids.append(int(tokens[row][0]))
-            handed, payload = gate.offer(answer, {"codes.audio": tokens[row][None]}, False)
-            if handed and WINDOW_KEY in payload:
-                windows[answer.external_req_id].append((step, payload[WINDOW_KEY]))
+        if per_row:
+            offers = [(answer, gate.offer(answer, {"codes.audio": tokens[row][None]}, False)) for answer, row in live]
+            handed = [(answer, payload) for answer, (hand_over, payload) in offers if hand_over]
+        else:
+            frames = FrameRows(tokens[[row for _, row in live]], [True] * len(live))
+            handed = gate.offer_step(frames, [(answer, i) for i, (answer, _) in enumerate(live)])
+        for answer, payload in handed:
+            if WINDOW_KEY in payload:
+                windows[answer.external_req_id].append((step, payload[WINDOW_KEY], payload["codes"]["audio"]))
     gate.forget(list(windows))
     return windows
 
@@ -598,8 +604,8 @@ def test_full_windows_leave_together_every_batch_steps(tiny_bagpiper, long_clip)
                           window_settings({"initial_codec_chunk_frames": 2, "codec_batch_steps": batch}))
         out = {}
         for answer, windows in _gate_windows(gate, long_clip.tokens[:-1], [0, 1, 2, 3]).items():
-            ends = [end for _, (end, _) in windows]
-            out[answer] = [(step, end - before) for (step, _), end, before in zip(windows, ends, [0, *ends])]
+            ends = [end for _, (end, _), _ in windows]
+            out[answer] = [(step, end - before) for (step, _, _), end, before in zip(windows, ends, [0, *ends])]
         return out
 
     every, batched = handed(0), handed(3)
@@ -612,6 +618,33 @@ def test_full_windows_leave_together_every_batch_steps(tiny_bagpiper, long_clip)
                                  long_clip.tokens, gated=True)
     streamed = _decode(tiny_bagpiper, payloads)
     assert streamed.shape == long_clip.audio.shape and float((streamed - long_clip.audio).abs().max()) < ATOL
+
+
+def test_a_step_offered_at_once_hands_over_what_its_rows_one_by_one_would(tiny_bagpiper, long_clip):
+    """The shipped streaming YAML's windows (clocked: a short first lookahead that grows), six
+    answers starting at different steps, at 12 ms a step: the scheduler's one `offer_step` per
+    step hands over the same windows, at the same steps, with the same codes, as an `offer` per row."""
+    from vllm_omni_speechlm.config import SpeechLMConfig
+    from vllm_omni_speechlm.stage0.window_gate import WindowGate
+    from vllm_omni_speechlm.streaming import window_settings
+
+    extra = yaml.safe_load(Path(stage_configs.path("bagpiper_streaming.yaml")).read_text())["connectors"]["shm"]["extra"]
+
+    def windows(per_row: bool) -> dict:
+        now = [0.0]
+
+        def next_step() -> None:
+            now[0] += 0.012
+
+        gate = WindowGate(SpeechLMConfig.from_model_dir(tiny_bagpiper), window_settings(extra), clock=lambda: now[0])
+        return _gate_windows(gate, long_clip.tokens, [0, 0, 1, 5, 9, 30], next_step, per_row=per_row)
+
+    at_once, one_by_one = windows(False), windows(True)
+    assert sum(map(len, at_once.values())) >= 6 * 5
+    for answer, want in one_by_one.items():
+        got = at_once[answer]
+        assert [(step, window) for step, window, _ in got] == [(step, window) for step, window, _ in want]
+        assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got, want))
 
 
 def test_a_request_no_codec_stage_takes_gets_no_window(tiny_bagpiper, long_clip):

@@ -55,7 +55,7 @@ from vllm_omni_speechlm.cfg import companion_id, guided_mode, is_companion, unco
 from vllm_omni_speechlm.compat import gate_chunk_sends, salt_prefix_blocks, send_on_calling_thread
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode, RowKind, enforced_kind
-from vllm_omni_speechlm.frames import StepOutputs
+from vllm_omni_speechlm.frames import InterStageRows, StepOutputs
 from vllm_omni_speechlm.stage0.client_frames import ClientFrameBlocks
 from vllm_omni_speechlm.stage0.steady_rows import SteadyRowsMixin
 from vllm_omni_speechlm.stage0.window_gate import WindowGate
@@ -110,7 +110,7 @@ class _PairedCFGMixin:
             if settings[SCHEDULER_THREAD_KEY]:
                 self._drain_sends = send_on_calling_thread(adapter)
                 logger.info("stage-0 windows: cut and written on the scheduler's thread")
-        gate_chunk_sends(adapter, self._offer_chunk)
+        self._send_chunk = gate_chunk_sends(adapter, self._offer_chunk)
 
     def _offer_chunk(self, request: Any, payload: Any, finished: bool) -> tuple[bool, Any]:
         if is_companion(request.request_id):
@@ -118,6 +118,17 @@ class _PairedCFGMixin:
         if self._gate is None:
             return True, payload
         return self._gate.offer(request, payload, finished)
+
+    def _hand_over_steady_rows(self, inter_stage: Any, rows: list[tuple[Any, int, list[int]]]) -> None:
+        """A step's steady rows that carry frames alone go through the gate at once (`offer_step`):
+        no payload built and no adapter call per row."""
+        if self._gate is None or not isinstance(inter_stage, InterStageRows) or not inter_stage.frames_only:
+            return super()._hand_over_steady_rows(inter_stage, rows)
+        new_tokens = {request.request_id: new for request, _, new in rows}
+        mains = [(request, row) for request, row, _ in rows if not is_companion(request.request_id)]
+        for request, payload in self._gate.offer_step(inter_stage.frames, mains):
+            self._send_chunk(payload, request, False, new_token_ids=new_tokens[request.request_id],
+                             confirmed_num_computed_tokens=None)
 
     # ---- arrival and guided segments --------------------------------------------------------
     def add_request(self, request: Any) -> None:

@@ -75,6 +75,7 @@ class SteadyRowsMixin:
         inter_stage = (getattr(runner_output, "inter_stage_outputs", None) or None) if self.chunk_transfer_adapter else None
         outputs: dict[int, list] = defaultdict(list)
         rest: dict[str, int] = {}
+        handed: list[tuple[Any, int, list[int]]] = []  # rows whose inter-stage payload goes to the chunk adapter
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             row = row_of.get(req_id)
@@ -89,12 +90,20 @@ class SteadyRowsMixin:
                 request.num_nans_in_logits = nans[req_id]
             if emit:
                 outputs[request.client_index].append(self._steady_output(request, new_token_ids, client_rows, row))
-            payload = None if inter_stage is None else inter_stage[row]
-            if payload is not None:  # as vllm-omni's loop hands it over
+            if inter_stage is not None:
+                handed.append((request, row, new_token_ids))
+        if handed:
+            self._hand_over_steady_rows(inter_stage, handed)
+        return outputs, rest
+
+    def _hand_over_steady_rows(self, inter_stage: Any, rows: list[tuple[Any, int, list[int]]]) -> None:
+        """The steady rows' inter-stage payloads, as vllm-omni's loop hands them to the chunk adapter."""
+        for request, row, new_token_ids in rows:
+            payload = inter_stage[row]
+            if payload is not None:
                 self.chunk_transfer_adapter.save_async(
                     payload, request, False, new_token_ids=new_token_ids, confirmed_num_computed_tokens=None
                 )
-        return outputs, rest
 
     def _steady_output(self, request: Any, new_token_ids: list[int], client_rows: Any, row: int) -> OmniEngineCoreOutput:
         prefill_stats = request.take_prefill_stats()

@@ -32,7 +32,7 @@ from vllm_omni_speechlm import window_trace
 from vllm_omni_speechlm.config import SpeechLMConfig
 from vllm_omni_speechlm.decoding import OutputMode
 from vllm_omni_speechlm.delay_pattern import audio_rows, num_complete_frames
-from vllm_omni_speechlm.frames import payload_frames
+from vllm_omni_speechlm.frames import FrameRows, payload_frames
 from vllm_omni_speechlm.sampling_params import SpeechSamplingParams
 from vllm_omni_speechlm.streaming import (
     DOUBLING,
@@ -64,7 +64,7 @@ class _GateState:
     growing: bool = False  # ramped from a short first lookahead (`streaming.growing_lookahead_window`)
     plays_until: float = 0.0  # monotonic seconds the listener runs out of audio sent (paced, growing)
     audio: int = 0  # audio rows of the current segment among those handed over or classified
-    pending: list[torch.Tensor] = field(default_factory=list)  # the steps' frames not handed over yet, as they came
+    pending: list[np.ndarray] = field(default_factory=list)  # the steps' frames not handed over yet, as they came
     unclassified: int = 0  # rows at the tail of `pending` not yet tested for audio
 
 
@@ -112,46 +112,75 @@ class WindowGate:
 
     def offer(self, request: Any, multimodal_output: Any, is_finished: bool) -> tuple[bool, Any]:
         """(hand over now, the payload to hand over) for this step of `request`."""
-        ext_id = request.external_req_id
-        state = self._open.get(ext_id)
-        if state is None:
-            state = self._open[ext_id] = _GateState(*self._request_options(request))
-            self._streams += state.to_codec
+        state = self._state(request)
         if not state.to_codec:
             if is_finished:
-                self._close(ext_id)
+                self._close(request.external_req_id)
             return False, None
         step = payload_frames(multimodal_output)  # kept as it came: shaped once, when handed over
-        ended = False
-        if step is not None:
-            state.pending.append(step)
-            new_rows = step.numel() // self.cfg.num_streams
-            if self._codes is None:
-                state.unclassified += new_rows
-            else:
-                ended = self._count_segment_rows(state, request.output_token_ids[-new_rows:])
+        ended = step is not None and self._add(state, request, step.numpy())
         if is_finished:
-            self._close(ext_id)
+            self._close(request.external_req_id)
             self._warn_if_silent(request, state)
         if is_finished or ended:  # a segment's end: the processor flushes it
-            self.handed_total += 1
-            rows = self._take(state)
-            return True, rows if rows is None else rows | window_trace.handed()
+            return True, self._flush(state)
+        payload = self._window(state, request, self.clock() if self._clocked else 0.0)
+        return payload is not None, payload
+
+    def offer_step(self, frames: FrameRows, rows: list[tuple[Any, int]]) -> list[tuple[Any, dict]]:
+        """`offer` for a step's (request, row) pairs that do not finish, the step's frames read
+        once: [(request, payload)] to hand over."""
+        host, samples = frames.host.numpy(), frames.samples
         now = self.clock() if self._clocked else 0.0
+        handed = []
+        for request, row in rows:
+            state = self._state(request)
+            if not state.to_codec:
+                continue
+            if samples[row] and self._add(state, request, host[row : row + 1]):
+                handed.append((request, self._flush(state)))
+            elif (payload := self._window(state, request, now)) is not None:
+                handed.append((request, payload))
+        return handed
+
+    def _state(self, request: Any) -> _GateState:
+        state = self._open.get(request.external_req_id)
+        if state is None:
+            state = self._open[request.external_req_id] = _GateState(*self._request_options(request))
+            self._streams += state.to_codec
+        return state
+
+    def _add(self, state: _GateState, request: Any, step: np.ndarray) -> bool:
+        """Keep a step's frames; whether they end the current audio segment."""
+        state.pending.append(step)
+        new_rows = step.size // self.cfg.num_streams
+        if self._codes is None:
+            state.unclassified += new_rows
+            return False
+        return self._count_segment_rows(state, request.output_token_ids[-new_rows:])
+
+    def _flush(self, state: _GateState) -> dict | None:
+        """The payload of a finish or a segment's end: every frame kept."""
+        self.handed_total += 1
+        rows = self._take(state)
+        return rows if rows is None else rows | window_trace.handed()
+
+    def _window(self, state: _GateState, request: Any, now: float) -> dict | None:
+        """The payload of the window due now, or None."""
         if not self._due(state, state.audio + state.unclassified, now):  # even if every new row is audio
-            return False, None
+            return None
         if state.unclassified:
             new = self._rows(state.pending)[-state.unclassified :]
             state.audio += int(audio_rows(new, self.cfg).sum())
             state.unclassified = 0
         window = self._due(state, state.audio, now)
         if window is None or self._held(state, window):
-            return False, None
+            return None
         if state.emitted == 0:
             window_trace.log_first_window(getattr(request, "arrival_time", None), len(request.output_token_ids))
         self._sent(state, window, now)
         self.handed_total += 1
-        return True, (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
+        return (self._take(state) or {}) | {WINDOW_KEY: window} | window_trace.handed()
 
     def _held(self, state: _GateState, window: tuple[int, int]) -> bool:
         """Whether a due full chunk (not a segment's first window) waits for a step that is a
@@ -233,9 +262,9 @@ class WindowGate:
         bound = self.settings["codec_paced_max_streams"]
         return self.pacer is not None and self.pacer.paces and (not bound or self._streams <= bound)
 
-    def _rows(self, pending: list[torch.Tensor]) -> torch.Tensor:
+    def _rows(self, pending: list[np.ndarray]) -> torch.Tensor:
         # numpy: no torch op per pending step (each would hand the interpreter lock around)
-        rows = np.concatenate([step.numpy().reshape(-1, self.cfg.num_streams) for step in pending])
+        rows = np.concatenate([step.reshape(-1, self.cfg.num_streams) for step in pending])
         return torch.from_numpy(rows.astype(np.int64, copy=False))
 
     def _take(self, state: _GateState) -> dict | None:
