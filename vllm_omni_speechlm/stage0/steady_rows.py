@@ -7,8 +7,10 @@ step almost every row is *steady*: one sampled token that does not stop its requ
 else to settle. Those rows take the short path here: settle the in-flight count, append the token
 through vLLM's own `_update_request_with_output` (placeholders, block caching), emit the output.
 A steady row's inter-stage payload goes to the chunk adapter as vllm-omni's loop hands it over
-(`save_async`, not finished): with async_chunk streaming every main request carries one each
-step, and leaving those rows to vllm-omni's loop kept half the batch off the short path. Every
+(`save_async`, not finished), once the step's rows are updated (`_hand_over_steady_rows`, which
+the stage-0 scheduler overrides to offer them to its window gate at once): with async_chunk
+streaming every main request carries one each step, and leaving those rows to vllm-omni's loop
+kept half the batch off the short path. Every
 other row, and every row of a step with step-wide work (KV connector output, KV extraction, spec
 decode, logprobs, routed experts, perf metrics), goes through vllm-omni's update unchanged, which
 also does the step's tail (finished sets, stats, connector output).

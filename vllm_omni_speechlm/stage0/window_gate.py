@@ -7,7 +7,9 @@ and hands them over as one [k, S] payload on the steps where a window is due, an
 gate decides the window (`streaming.next_window`, the fixed ramp, or `streaming.PlayoutPacer`,
 which reads the clock) and hands its end and holdback over with the rows (`WINDOW_KEY`); the
 processor (stage_input_processors/speech_codec.py) receives the same rows in the same order and
-cuts that window.
+cuts that window. A step's running rows reach the gate at once (`offer_step`, read from the step's
+frame buffer, no adapter call per row); a finishing row, or one with other outputs, comes through
+the adapter's `save_async` (`offer`).
 
 Under the parallel rules (Bagpiper) an audio segment may end before the answer does; the gate hands
 over the step that ends one, so the processor flushes it then, and counts the next segment's
