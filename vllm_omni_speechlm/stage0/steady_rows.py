@@ -10,10 +10,10 @@ A steady row's inter-stage payload goes to the chunk adapter as vllm-omni's loop
 (`save_async`, not finished), once the step's rows are updated (`_hand_over_steady_rows`, which
 the stage-0 scheduler overrides to offer them to its window gate at once): with async_chunk
 streaming every main request carries one each step, and leaving those rows to vllm-omni's loop
-kept half the batch off the short path. Every
-other row, and every row of a step with step-wide work (KV connector output, KV extraction, spec
-decode, logprobs, routed experts, perf metrics), goes through vllm-omni's update unchanged, which
-also does the step's tail (finished sets, stats, connector output).
+kept half the batch off the short path. Every other row, and every row of a step with step-wide
+work (KV connector output, KV extraction, spec decode, logprobs, routed experts, perf metrics),
+goes through vllm-omni's update unchanged, which also does the step's tail (finished sets, stats,
+connector output).
 
 On an H200 host's CPU this cuts the update from 3.0 to 1.2 ms per 512-request step
 (benchmarks/scheduler_update.py); the 8B-geometry stage-0 benchmark there was no faster for it,
